@@ -1,0 +1,425 @@
+"""Drive vLLM's real worker RPC loop and check that a failing non-output rank exits.
+
+The loop is taken from vllm/v1/executor/multiproc_executor.py with ast (both
+release shapes: the loop inline in WorkerProc.worker_busy_loop, or the loop
+calling WorkerProc._execute_worker_rpc), bound to a stand-in worker process and
+fed from a fake broadcast queue, one child Python process per case: the fix
+ends the process, so a case cannot run in the test's own.
+
+Target: $GAUDI_FIXES_ROOT/vllm/... when GAUDI_FIXES_ROOT is set, else the
+installed vLLM, located without importing it (importing vLLM needs torch and a
+device). Standard library only; runs under pytest or `python3 -m unittest`.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import pickle
+import re
+import subprocess
+import sys
+import threading
+import types
+import unittest
+
+RELATIVE_PATH = os.path.join("vllm", "v1", "executor", "multiproc_executor.py")
+LOGGER_NAME = "vllm.v1.executor.multiproc_executor"
+# Long enough for a cold Python start on a loaded 2-core machine, short enough
+# that "exits at once" means something: the blocking-teardown case must beat it.
+CASE_TIMEOUT_SECONDS = 10
+
+
+def find_target() -> str | None:
+    root = os.environ.get("GAUDI_FIXES_ROOT")
+    if root:
+        return os.path.join(root, RELATIVE_PATH)
+    spec = importlib.util.find_spec("vllm")  # finds, does not import
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(spec.submodule_search_locations[0], *RELATIVE_PATH.split(os.sep)[1:])
+
+
+# --- extraction --------------------------------------------------------------
+
+
+def worker_proc_class(tree: ast.Module) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "WorkerProc":
+            return node
+    raise AssertionError("no class WorkerProc in the file")
+
+
+def fault_tolerance_statements(cls: ast.ClassDef) -> list[ast.stmt]:
+    """The statements of WorkerProc.__init__ that read enable_fault_tolerance."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            return [
+                stmt
+                for stmt in node.body
+                if any(
+                    isinstance(n, ast.Attribute) and n.attr == "enable_fault_tolerance"
+                    for n in ast.walk(stmt)
+                )
+            ]
+    return []
+
+
+def strip_annotations(function: ast.FunctionDef) -> None:
+    # Annotations name vLLM types that the stand-in module does not have.
+    for node in ast.walk(function):
+        if isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+
+
+def stdlib_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The module's own imports of standard-library names (os, partial, traceback...)."""
+    kept = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [a for a in node.names if a.name.split(".")[0] in sys.stdlib_module_names]
+            if names:
+                kept.append(ast.Import(names=names))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in sys.stdlib_module_names:
+                kept.append(node)
+    return kept
+
+
+class FakeWatchdog:
+    """vLLM 0.33.0's worker watchdog, which the loop feeds and pauses."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def disable():
+        yield
+
+    @staticmethod
+    def feed():
+        pass
+
+
+def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
+    """WorkerProc from the file, less __init__, decorators and vLLM-typed members."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    cls = worker_proc_class(tree)
+    body: list[ast.stmt] = []
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name != "__init__":
+            node.decorator_list = [
+                d for d in node.decorator_list if isinstance(d, ast.Name) and d.id == "staticmethod"
+            ]
+            strip_annotations(node)
+            body.append(node)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            body.append(node)  # class-level defaults
+    stand_in = ast.ClassDef(
+        name="WorkerProc", bases=[], keywords=[], body=body, decorator_list=[]
+    )
+    if sys.version_info >= (3, 12):
+        stand_in.type_params = []
+    module = ast.Module(body=[*stdlib_imports(tree), stand_in], type_ignores=[])
+    ast.fix_missing_locations(module)
+    namespace = {
+        "__name__": "multiproc_executor_under_test",
+        "logger": logging.getLogger(LOGGER_NAME),
+        "cloudpickle": pickle,  # same loads() contract for what the child pickles
+        "get_watch_dog": FakeWatchdog,
+    }
+    exec(compile(module, path, "exec"), namespace)
+    return namespace["WorkerProc"], cls
+
+
+# --- the child process: one case ---------------------------------------------
+
+
+class QueueDrained(BaseException):
+    """Raised by the fake queue when every call was handed out (not an Exception:
+    the loop's own `except Exception` must not swallow it)."""
+
+
+def emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+class FakeBroadcastQueue:
+    def __init__(self, calls):
+        self.calls = list(calls)
+
+    def dequeue(self, timeout=None, indefinite=False):
+        if not self.calls:
+            raise QueueDrained
+        return self.calls.pop(0)
+
+
+class StandInModelWorker:
+    """What WorkerWrapperBase would be: the methods the executor calls by name."""
+
+    def execute_model(self, scheduler_output):
+        emit(ran="execute_model")
+        raise RuntimeError("device out of memory during prefill")
+
+    def sample_tokens(self, grammar_output):
+        emit(ran="sample_tokens")
+        return "token-7"
+
+
+def pickled_step(worker):
+    emit(ran="pickled_step")
+    return "pickled-ok"
+
+
+def failing_pickled_step(worker):
+    emit(ran="failing_pickled_step")
+    raise ValueError("collective failed")
+
+
+def rpc_request(call: dict) -> tuple:
+    name = call["method"]
+    # As MultiprocExecutor.collective_rpc sends it: a name, or a pickled callable.
+    method = pickle.dumps(globals()[name]) if call.get("pickled") else name
+    return (method, (None,) if not call.get("pickled") else (), {}, call["output_rank"])
+
+
+def run_child(path: str, case: dict) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger(LOGGER_NAME).addHandler(handler)
+
+    worker_proc_type, cls = extract_worker_proc(path)
+    proc = worker_proc_type.__new__(worker_proc_type)  # as tests make it: no __init__
+    if case.get("fault_tolerance") is not None:
+        parallel_config = types.SimpleNamespace(enable_fault_tolerance=case["fault_tolerance"])
+        init_scope = {"self": proc, "vllm_config": types.SimpleNamespace(parallel_config=parallel_config)}
+        for stmt in fault_tolerance_statements(cls):
+            exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), init_scope)
+    proc.rank = case["rank"]
+    proc.worker = StandInModelWorker()
+    proc.use_async_scheduling = False
+    proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c) for c in case["calls"])
+
+    def handle_output(output):
+        if isinstance(output, Exception):
+            emit(reply="failure", message=str(output))
+        else:
+            emit(reply="success", value=output)
+
+    proc.handle_output = handle_output
+    try:
+        proc.worker_busy_loop()
+    except QueueDrained:
+        emit(drained=True)
+    finally:
+        if case.get("blocking_teardown"):
+            # worker_main's finally: worker.shutdown() can wait forever on peers.
+            threading.Event().wait()
+
+
+# --- the cases ---------------------------------------------------------------
+
+
+class Outcome:
+    def __init__(self, returncode, stdout, stderr, timed_out):
+        self.returncode = returncode
+        self.events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        self.stderr = stderr
+        self.timed_out = timed_out
+
+    @property
+    def ran(self):
+        return [e["ran"] for e in self.events if "ran" in e]
+
+    @property
+    def replies(self):
+        return [e for e in self.events if "reply" in e]
+
+    @property
+    def drained(self):
+        return any(e.get("drained") for e in self.events)
+
+    def error_lines(self):
+        return [
+            line
+            for line in self.stderr.splitlines()
+            if line.startswith("ERROR ") and "WorkerProc hit an exception." not in line
+        ]
+
+    def __str__(self):
+        return f"exit status {self.returncode}, events {self.events}\nstderr:\n{self.stderr}"
+
+
+class WorkerLoopTest(unittest.TestCase):
+    target: str
+
+    @classmethod
+    def setUpClass(cls):
+        target = find_target()
+        if target is None:
+            raise unittest.SkipTest(
+                "no vLLM to test: set GAUDI_FIXES_ROOT to the directory holding vllm/, "
+                "or install vllm"
+            )
+        if not os.path.isfile(target):
+            raise AssertionError(f"{target} does not exist (GAUDI_FIXES_ROOT points elsewhere?)")
+        cls.target = target
+
+    def run_case(self, rank, calls, *, fault_tolerance=None, blocking_teardown=False):
+        case = {
+            "rank": rank,
+            "calls": calls,
+            "fault_tolerance": fault_tolerance,
+            "blocking_teardown": blocking_teardown,
+        }
+        command = [sys.executable, "-I", os.path.abspath(__file__), "--child", self.target, json.dumps(case)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+            return Outcome(None, stdout, stderr, timed_out=True)
+        return Outcome(done.returncode, done.stdout, done.stderr, timed_out=False)
+
+    def assert_exited_for(self, outcome, *, rank, method, output_rank, ran):
+        self.assertFalse(outcome.timed_out, f"the worker did not end within {CASE_TIMEOUT_SECONDS}s: {outcome}")
+        self.assertEqual(outcome.returncode, 1, f"the worker must exit with status 1: {outcome}")
+        self.assertEqual(outcome.ran, ran, f"no queued call may run after the failure: {outcome}")
+        self.assertEqual(outcome.replies, [], f"a non-output rank must not reply: {outcome}")
+        self.assertIn("WorkerProc hit an exception.", outcome.stderr, "the traceback log is kept")
+        lines = outcome.error_lines()
+        self.assertEqual(len(lines), 1, f"one ERROR line about exiting: {outcome}")
+        line = lines[0]
+        self.assertRegex(line, rf"(?i)\brank {rank}\b")
+        self.assertRegex(line, rf"(?i)\brank {output_rank}\b")
+        self.assertIn(method, line)
+        self.assertRegex(line, r"(?i)\bexit")
+
+    def test_failing_non_output_rank_exits(self):
+        outcome = self.run_case(
+            2,
+            [
+                {"method": "execute_model", "output_rank": 0},
+                {"method": "sample_tokens", "output_rank": 0},
+            ],
+        )
+        self.assert_exited_for(outcome, rank=2, method="execute_model", output_rank=0, ran=["execute_model"])
+
+    def test_exit_does_not_wait_for_a_blocked_teardown(self):
+        outcome = self.run_case(
+            1,
+            [
+                {"method": "execute_model", "output_rank": 0},
+                {"method": "sample_tokens", "output_rank": 0},
+            ],
+            blocking_teardown=True,
+        )
+        self.assert_exited_for(outcome, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])
+
+    def test_failing_output_rank_replies_and_goes_on(self):
+        outcome = self.run_case(
+            1,
+            [
+                {"method": "execute_model", "output_rank": 1},
+                {"method": "sample_tokens", "output_rank": 1},
+            ],
+        )
+        self.assertEqual(outcome.returncode, 0, str(outcome))
+        self.assertEqual(outcome.ran, ["execute_model", "sample_tokens"])
+        self.assertEqual(
+            outcome.replies,
+            [
+                {"reply": "failure", "message": "device out of memory during prefill"},
+                {"reply": "success", "value": "token-7"},
+            ],
+        )
+        self.assertTrue(outcome.drained)
+        self.assertEqual(outcome.error_lines(), [])
+
+    def test_failing_all_rank_call_replies_and_goes_on(self):
+        outcome = self.run_case(
+            3,
+            [
+                {"method": "execute_model", "output_rank": None},
+                {"method": "sample_tokens", "output_rank": None},
+            ],
+        )
+        self.assertEqual(outcome.returncode, 0, str(outcome))
+        self.assertEqual(outcome.ran, ["execute_model", "sample_tokens"])
+        self.assertEqual([r["reply"] for r in outcome.replies], ["failure", "success"])
+        self.assertTrue(outcome.drained)
+        self.assertEqual(outcome.error_lines(), [])
+
+    def test_successes_are_unchanged(self):
+        calls = [
+            {"method": "sample_tokens", "output_rank": 0},
+            {"method": "sample_tokens", "output_rank": None},
+            {"method": "pickled_step", "output_rank": 0, "pickled": True},
+        ]
+        on_output_rank = self.run_case(0, calls)
+        self.assertEqual(on_output_rank.returncode, 0, str(on_output_rank))
+        self.assertEqual(on_output_rank.ran, ["sample_tokens", "sample_tokens", "pickled_step"])
+        self.assertEqual(
+            on_output_rank.replies,
+            [
+                {"reply": "success", "value": "token-7"},
+                {"reply": "success", "value": "token-7"},
+                {"reply": "success", "value": "pickled-ok"},
+            ],
+        )
+        self.assertTrue(on_output_rank.drained)
+
+        elsewhere = self.run_case(1, calls)
+        self.assertEqual(elsewhere.returncode, 0, str(elsewhere))
+        self.assertEqual(elsewhere.ran, ["sample_tokens", "sample_tokens", "pickled_step"])
+        self.assertEqual(elsewhere.replies, [{"reply": "success", "value": "token-7"}])
+        self.assertTrue(elsewhere.drained)
+
+    def test_pickled_callable_is_named_by_its_own_name(self):
+        outcome = self.run_case(
+            1,
+            [
+                {"method": "sample_tokens", "output_rank": None},
+                {"method": "failing_pickled_step", "output_rank": 0, "pickled": True},
+                {"method": "sample_tokens", "output_rank": 0},
+            ],
+        )
+        self.assertEqual(outcome.replies, [{"reply": "success", "value": "token-7"}], str(outcome))
+        self.assertFalse(outcome.timed_out, str(outcome))
+        self.assertEqual(outcome.returncode, 1, str(outcome))
+        self.assertEqual(outcome.ran, ["sample_tokens", "failing_pickled_step"])
+        [line] = outcome.error_lines() or [""]
+        self.assertIn("failing_pickled_step", line, str(outcome))
+        self.assertNotIn("sample_tokens", line, "a name left over from the previous call")
+
+    def test_fault_tolerance_setting(self):
+        with open(self.target, encoding="utf-8") as f:
+            source = f.read()
+        statements = fault_tolerance_statements(worker_proc_class(ast.parse(source)))
+        if "enable_fault_tolerance" not in source:
+            # Releases before 0.33.0 have no such setting: nothing may turn the exit off.
+            self.assertEqual(statements, [])
+            return
+        self.assertTrue(statements, "WorkerProc.__init__ must read parallel_config.enable_fault_tolerance")
+        calls = [
+            {"method": "execute_model", "output_rank": 0},
+            {"method": "sample_tokens", "output_rank": 0},
+        ]
+        off = self.run_case(1, calls, fault_tolerance=False)
+        self.assert_exited_for(off, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])
+        on = self.run_case(1, calls, fault_tolerance=True)
+        self.assertEqual(on.returncode, 0, f"with fault tolerance the engine handles the failure: {on}")
+        self.assertEqual(on.ran, ["execute_model", "sample_tokens"])
+        self.assertEqual(on.replies, [])
+        self.assertTrue(on.drained)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        run_child(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        unittest.main()
