@@ -30,7 +30,7 @@ RELATIVE_PATH = os.path.join("vllm", "v1", "executor", "multiproc_executor.py")
 LOGGER_NAME = "vllm.v1.executor.multiproc_executor"
 # Long enough for a cold Python start on a loaded 2-core machine, short enough
 # that "exits at once" means something: the blocking-teardown case must beat it.
-CASE_TIMEOUT_SECONDS = 10
+CASE_TIMEOUT_SECONDS = 5
 
 
 def find_target() -> str | None:

@@ -1,0 +1,44 @@
+"""Shared pytest setup: real release trees, and no skipped test in CI."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+
+from fetch_release import TARGET, release_tree  # noqa: E402
+
+
+@pytest.fixture
+def make_tree(tmp_path):
+    """make_tree("0.30.0") -> a fresh directory holding vllm/ with that release's real file."""
+    count = 0
+
+    def make(version: str, name: str | None = None) -> str:
+        nonlocal count
+        count += 1
+        root = tmp_path / (name or f"tree{count}-{version}")
+        target = root / TARGET
+        target.parent.mkdir(parents=True)
+        shutil.copyfile(os.path.join(release_tree(version), TARGET), target)
+        return str(root)
+
+    return make
+
+
+def release_bytes(version: str) -> bytes:
+    with open(os.path.join(release_tree(version), TARGET), "rb") as f:
+        return f.read()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    # A skipped test proves nothing; CI must run every one (DEVELOPERS.md).
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if os.environ.get("CI") and skipped:
+        reporter.write_line(f"CI: {len(skipped)} test(s) skipped; nothing may be skipped in CI", red=True)
+        session.exitstatus = 1
