@@ -21,9 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import NamedTuple
+from collections import namedtuple
+from collections.abc import Sequence
 
 TARGET = "vllm/v1/executor/multiproc_executor.py"
 PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
@@ -104,14 +103,11 @@ def read_bundle(directory: str | None = None) -> list[Fix]:
 # --- fingerprint ----------------------------------------------------------------
 
 
-class Hunk(NamedTuple):
-    before: tuple[str, ...]  # context and removed lines: the release's text
-    after: tuple[str, ...]  # context and added lines: the fixed text
-
-
-class Fix(NamedTuple):
-    name: str
-    hunks: tuple[Hunk, ...]
+# before: the hunk's context and removed lines, the release's text; after: its
+# context and added lines, the fixed text. Lines keep their "\n".
+Hunk = namedtuple("Hunk", "before after")
+# name: the diff's file name in patches/; hunks: its Hunks, in file order.
+Fix = namedtuple("Fix", "name hunks")
 
 
 def parse_fix(name: str, text: str) -> Fix:
@@ -181,9 +177,8 @@ def fingerprint(lines: Sequence[str], fix: Fix) -> str | None:
 # --- decide -----------------------------------------------------------------------
 
 
-class Decision(NamedTuple):
-    state: str
-    fix: Fix | None  # the diff that matched, applied or ready to apply
+# state: applied, not-applied or drifted; fix: the Fix that matched (None when drifted).
+Decision = namedtuple("Decision", "state fix")
 
 
 def decide(lines: Sequence[str], fixes: Sequence[Fix]) -> Decision:
@@ -279,27 +274,31 @@ def leftover_temp_files(directory: str) -> list[str]:
         return []
 
 
-@contextmanager
-def directory_lock(directory: str) -> Iterator[None]:
-    # The lock is on the directory: a lock on the file would be lost when
-    # os.replace swaps the file, and a lock file would be left beside it.
-    import fcntl
+class DirectoryLock:
+    """Serializes writers. The lock is on the directory: a lock on the file would
+    be lost when os.replace swaps the file, and a lock file would be left beside it."""
 
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as e:
-        raise Failure(CANNOT_READ_OR_WRITE, f"cannot open {directory}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        try:
+            self.fd = os.open(self.directory, os.O_RDONLY)
+        except OSError as e:
+            raise Failure(CANNOT_READ_OR_WRITE, f"cannot open {self.directory}: {e.strerror}") from None
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc_info) -> None:
+        os.close(self.fd)  # releases the lock
 
 
 def replace_file(path: str, text: str) -> None:
     """Swap in the new text all at once, with the old file's mode and owner."""
     import stat
     import tempfile
+    from contextlib import suppress
 
     directory = os.path.dirname(path)
     old = os.stat(path)
@@ -320,7 +319,7 @@ def replace_file(path: str, text: str) -> None:
             os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException as e:
-        with suppress_os_error():
+        with suppress(OSError):
             os.unlink(temp)
         if isinstance(e, OSError):
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
@@ -332,18 +331,11 @@ def replace_file(path: str, text: str) -> None:
         os.close(dir_fd)
 
 
-@contextmanager
-def suppress_os_error() -> Iterator[None]:
-    try:
-        yield
-    except OSError:
-        pass
-
-
 def remove_bytecode(paths: Sequence[str]) -> None:
     """Drop cached bytecode, whatever Python wrote it: an unchecked-hash .pyc
     would go on running the old code."""
     import importlib.util
+    from contextlib import suppress
 
     stale = set()
     for path in paths:
@@ -358,21 +350,16 @@ def remove_bytecode(paths: Sequence[str]) -> None:
         except OSError:
             pass
     for pyc in stale:
-        with suppress_os_error():
+        with suppress(OSError):
             os.unlink(pyc)
 
 
 # --- main ---------------------------------------------------------------------------
 
 
-class Report(NamedTuple):
-    code: int
-    state: str
-    action: str  # none, applied, reverted, would-apply
-    message: str
-    diff: str | None = None
-    before: bytes | None = None
-    after: bytes | None = None
+# What a run found and did: exit code, state, action (none, applied, reverted,
+# would-apply), the message, the diff used, and the file's bytes before and after.
+Report = namedtuple("Report", "code state action message diff before after", defaults=(None, None, None))
 
 
 def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
@@ -385,9 +372,11 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
         return settled(decision, revert, data)
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
-    with directory_lock(directory):
+    from contextlib import suppress
+
+    with DirectoryLock(directory):
         for temp in leftover_temp_files(directory):  # from a run that was killed
-            with suppress_os_error():
+            with suppress(OSError):
                 os.unlink(temp)
         data, text = read_target(real)  # another run may have finished meanwhile
         decision = decide(split_lines(text), fixes) if text is not None else Decision(DRIFTED_STATE, None)
@@ -459,6 +448,17 @@ class UsageError(Exception):
     pass
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        # argparse's own formatter imports shutil (and bz2, lzma) to read the
+        # terminal width, on every run: a third of the gate's cost over Python's.
+        try:
+            width = os.get_terminal_size().columns - 2
+        except OSError:
+            width = 78
+        super().__init__(prog, width=width)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would exit 2, which means "drifted" here
         raise UsageError(message)
@@ -469,7 +469,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="apply.py",
         description=__doc__.split("\n\n")[0],
         epilog="\n".join(__doc__.split("\n\n")[2:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--root", metavar="DIR", default=os.environ.get("GAUDI_FIXES_ROOT") or None,
                         help="the directory holding vllm/ (default: $GAUDI_FIXES_ROOT, else the installed vllm)")
