@@ -495,9 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         path = locate_target(args.root)
         if args.verify:
-            import verify
+            import verify  # beside apply.py; it alone starts a process that imports vLLM
 
-            report = verify.run(path)
+            code, lines = verify.run(path, args.root)
+            states = {OK: "fails-fast", VERIFY_NOT_FAIL_FAST: "not-fail-fast", VERIFY_CANNOT_IMPORT: "cannot-import"}
+            report = Report(code, states[code], "verify", lines)
         else:
             fixes = read_bundle()
             if args.check or args.diff:
@@ -510,6 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if args.json:
         print_json(report, path)
+    elif report.action == "verify":
+        print(report.message)
     elif report.code in (OK, NOT_APPLIED) and report.state != "error":
         print(report.message if report.action == "would-apply" else f"{report.message}: {path}")
     else:

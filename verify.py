@@ -1,0 +1,262 @@
+"""`apply.py --verify`: prove that the vLLM this node will run fails fast, on vLLM's own code.
+
+apply.py calls run(path). It starts a harness child (this file with --harness),
+the only process that imports vLLM, so apply.py itself never does. The harness
+imports vllm.v1.executor.multiproc_executor by its real import path, forks two
+worker processes that run the package's real WorkerProc RPC loop, fed through
+the package's real shared-memory MessageQueue as the executor creates it, with
+a stand-in model worker: execute_model raises, ping answers. No accelerator and
+no model. It then checks, one line each:
+
+  1. an all-rank call that fails gets a FAILURE reply from both ranks, which keep serving;
+  2. a failing call with output rank 0 gets rank 0's FAILURE reply, rank 1 exits
+     with status 1 and sends nothing, and rank 0 keeps serving;
+  3. the package's real MultiprocExecutor.start_worker_monitor, on a stand-in
+     executor, marks it failed and calls shutdown and the failure callback.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT = 0, 7, 8
+HARNESS_TIMEOUT_SECONDS = 180  # vLLM's import alone takes 8-15 s on a 2-core machine
+STEP_TIMEOUT_SECONDS = 10
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def run(path: str, root: str | None = None) -> tuple[int, str]:
+    """Run the harness on the vllm that owns path; (exit code, the lines it printed)."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path))))
+    rpc_dir = tempfile.mkdtemp(prefix="rank-exception-fatal-verify-")  # vLLM's zmq ipc sockets
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir, "PYTHONPATH": os.pathsep.join(
+        p for p in (package_parent if root else None, os.environ.get("PYTHONPATH")) if p
+    )}
+    shm_before = shm_entries()
+    harness = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--harness", path],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so a timeout can end the workers too
+    )
+    try:
+        out, err = harness.communicate(timeout=HARNESS_TIMEOUT_SECONDS)
+        code = harness.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(harness.pid, signal.SIGKILL)
+        out, err = harness.communicate()
+        code = NOT_FAIL_FAST
+        out += f"FAIL the check did not finish within {HARNESS_TIMEOUT_SECONDS}s\n"
+    finally:
+        with_suppressed_kill(harness.pid)
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+    left = sorted(shm_entries() - shm_before)
+    if left:
+        out += f"FAIL shared memory left in /dev/shm: {', '.join(left)}\n"
+        code = code or NOT_FAIL_FAST
+    # vLLM's own log lines share the harness's stdout; keep the check lines.
+    out = "".join(line for line in out.splitlines(keepends=True) if line.startswith(("ok   ", "FAIL ")))
+    if code not in (FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT):
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        out += f"FAIL the harness ended with status {code}: {tail}\n"
+        code = NOT_FAIL_FAST
+    return code, out.rstrip("\n")
+
+
+def with_suppressed_kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # any worker the harness left behind
+    except OSError:
+        pass
+
+
+# --- the harness: runs in its own process and imports vLLM ---------------------------
+
+
+class StandInModelWorker:
+    """Stands in for WorkerWrapperBase: the methods the executor calls by name."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def execute_model(self, scheduler_output):
+        raise RuntimeError(f"stand-in execute_model failed on rank {self.rank}")
+
+    def ping(self):
+        return f"pong from rank {self.rank}"
+
+
+def serve(rank: int, conn) -> None:
+    """A worker process: the package's WorkerProc loop on the package's MessageQueues."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    broadcast_handle = conn.recv()
+    proc = WorkerProc.__new__(WorkerProc)  # __init__ would load a model on a device
+    proc.rank = rank
+    proc.worker = StandInModelWorker(rank)
+    proc.use_async_scheduling = False
+    proc.rpc_broadcast_mq = MessageQueue.create_from_handle(broadcast_handle, rank)
+    proc.worker_response_mq = MessageQueue(1, 1)
+    conn.send(proc.worker_response_mq.export_handle())
+    # The same order as worker_main: it deadlocks if reordered.
+    proc.rpc_broadcast_mq.wait_until_ready()
+    proc.worker_response_mq.wait_until_ready()
+    proc.worker_busy_loop()
+
+
+class StandInExecutor:
+    """What start_worker_monitor reads and calls on a MultiprocExecutor."""
+
+    def __init__(self, workers) -> None:
+        import threading
+
+        self.workers = workers
+        self.is_failed = False
+        self.shutting_down = False
+        self.shutdown_called = False
+        self.failed_at: float | None = None
+        self.callback_fired = threading.Event()
+        self.failure_callback = self.on_failure
+
+    def shutdown(self) -> None:
+        self.shutdown_called = True
+
+    def on_failure(self) -> None:
+        self.failed_at = time.monotonic()
+        self.callback_fired.set()
+
+
+def harness(path: str) -> int:
+    try:
+        import multiprocessing
+        import types
+        from multiprocessing import resource_tracker
+
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+        from vllm.v1.executor import multiproc_executor
+    except Exception as e:  # vLLM's import can fail in many ways; say which
+        print(f"FAIL cannot import vllm.v1.executor.multiproc_executor: {type(e).__name__}: {e}")
+        return CANNOT_IMPORT
+    if os.path.realpath(multiproc_executor.__file__) != os.path.realpath(path):
+        print(f"FAIL vllm.v1.executor.multiproc_executor is {multiproc_executor.__file__}, not {path}")
+        return CANNOT_IMPORT
+    print(f"ok   imported {multiproc_executor.__file__}")
+
+    WorkerProc = multiproc_executor.WorkerProc
+    SUCCESS, FAILURE = WorkerProc.ResponseStatus.SUCCESS, WorkerProc.ResponseStatus.FAILURE
+    # One tracker for every process: it unlinks what a dead worker leaves in /dev/shm.
+    resource_tracker.ensure_running()
+    context = multiprocessing.get_context("fork")  # the workers reuse this import
+    pipes, procs = [], []
+    for rank in range(2):
+        parent_end, child_end = context.Pipe()
+        proc = context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
+        proc.start()
+        pipes.append(parent_end)
+        procs.append(proc)
+    broadcast = MessageQueue(2, 2)
+    responses = []
+    failures = []
+
+    def check(ok: bool, line: str) -> bool:
+        print(("ok   " if ok else "FAIL ") + line, flush=True)
+        if not ok:
+            failures.append(line)
+        return ok
+
+    def reply(rank: int):
+        try:
+            return responses[rank].dequeue(timeout=STEP_TIMEOUT_SECONDS)
+        except TimeoutError:
+            return None
+
+    try:
+        for pipe in pipes:
+            pipe.send(broadcast.export_handle())
+        for pipe in pipes:
+            if not pipe.poll(STEP_TIMEOUT_SECONDS):
+                print("FAIL a worker did not start")
+                return NOT_FAIL_FAST
+            responses.append(MessageQueue.create_from_handle(pipe.recv(), 0))
+        broadcast.wait_until_ready()
+        for response in responses:
+            response.wait_until_ready()
+
+        executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in procs])
+        multiproc_executor.MultiprocExecutor.start_worker_monitor(executor)
+
+        broadcast.enqueue(("execute_model", (None,), {}, None))
+        failed = [reply(0), reply(1)]
+        broadcast.enqueue(("ping", (), {}, None))
+        pinged = [reply(0), reply(1)]
+        check(
+            [r and r[0] for r in failed] == [FAILURE, FAILURE]
+            and [r and r[0] for r in pinged] == [SUCCESS, SUCCESS]
+            and all(p.is_alive() for p in procs),
+            "an all-rank call that fails: both ranks reply FAILURE and keep serving",
+        )
+
+        started = time.monotonic()
+        broadcast.enqueue(("execute_model", (None,), {}, 0))
+        rank0 = reply(0)
+        procs[1].join(STEP_TIMEOUT_SECONDS)
+        check(rank0 is not None and rank0[0] == FAILURE, "output rank 0 replies FAILURE to the failing call")
+        check(
+            procs[1].exitcode == 1,
+            f"rank 1 exits with status 1 (exit status: {procs[1].exitcode})"
+            if procs[1].exitcode is not None
+            else f"rank 1 exits with status 1 (still running after {STEP_TIMEOUT_SECONDS}s)",
+        )
+        try:
+            leaked = responses[1].dequeue(timeout=0.5)
+        except TimeoutError:
+            leaked = None
+        check(leaked is None, "rank 1 sends nothing")
+        broadcast.enqueue(("ping", (), {}, 0))
+        pong = reply(0)
+        check(pong is not None and pong[0] == SUCCESS and procs[0].is_alive(), "rank 0 keeps serving")
+
+        fired = executor.callback_fired.wait(STEP_TIMEOUT_SECONDS if procs[1].exitcode is not None else 0.5)
+        if check(
+            fired and executor.is_failed and executor.shutdown_called,
+            "the worker monitor marks the executor failed, calls shutdown and the failure callback",
+        ):
+            print(f"ok   {executor.failed_at - started:.2f}s from the failing call to the monitor firing")
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(STEP_TIMEOUT_SECONDS)
+        # The workers wrote these; a killed writer cannot unlink its own.
+        for queue in responses:
+            unlink_shared_memory(queue.handle.buffer_handle[-1])
+    return NOT_FAIL_FAST if failures else FAILS_FAST
+
+
+def unlink_shared_memory(name: str) -> None:
+    from multiprocessing import shared_memory
+
+    try:
+        segment = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    segment.close()
+    segment.unlink()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--harness"]:
+    raise SystemExit(harness(sys.argv[2]))
