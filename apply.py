@@ -181,7 +181,11 @@ def fingerprint(lines: Sequence[str], fix: Fix) -> str | None:
 Decision = namedtuple("Decision", "state fix")
 
 
-def decide(lines: Sequence[str], fixes: Sequence[Fix]) -> Decision:
+def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
+    """What to do with the file's text (None: not UTF-8, which no release is)."""
+    if text is None:
+        return Decision(DRIFTED_STATE, None)
+    lines = split_lines(text)
     states = [(fix, fingerprint(lines, fix)) for fix in fixes]
     for fix, state in states:
         if state == APPLIED_STATE:
@@ -324,11 +328,12 @@ def replace_file(path: str, text: str) -> None:
         if isinstance(e, OSError):
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
         raise
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    with suppress(OSError):  # make the rename durable; the swap itself is already done
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def remove_bytecode(paths: Sequence[str]) -> None:
@@ -366,7 +371,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
     real = os.path.realpath(path)  # a symlink stays a link; the file behind it changes
     directory = os.path.dirname(real)
     data, text = read_target(real)
-    decision = decide(split_lines(text), fixes) if text is not None else Decision(DRIFTED_STATE, None)
+    decision = decide(text, fixes)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
     if decision.state == wanted and not leftover_temp_files(directory):
         return settled(decision, revert, data)
@@ -379,7 +384,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
             with suppress(OSError):
                 os.unlink(temp)
         data, text = read_target(real)  # another run may have finished meanwhile
-        decision = decide(split_lines(text), fixes) if text is not None else Decision(DRIFTED_STATE, None)
+        decision = decide(text, fixes)
         if decision.state == wanted:
             return settled(decision, revert, data)
         if decision.state == DRIFTED_STATE:
@@ -393,7 +398,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
         replace_file(real, new_text)
         remove_bytecode(sorted({path, real}))
         written, written_text = read_target(real)
-        if written_text is None or decide(split_lines(written_text), fixes).state != wanted:
+        if decide(written_text, fixes).state != wanted:
             raise Failure(CANNOT_READ_OR_WRITE, f"{real} changed while it was written; run again")
     action = "reverted" if revert else "applied"
     version = installed_version(path) or "version unknown"
@@ -424,10 +429,7 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix]) -> R
 
 def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
     data, text = read_target(path)
-    if text is None:
-        return drifted(path, data, text, fixes)
-    lines = split_lines(text)
-    decision = decide(lines, fixes)
+    decision = decide(text, fixes)
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
     name = decision.fix.name
@@ -437,10 +439,9 @@ def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
         return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", f"not applied (patches/{name} fits)", name, data, data)
     import difflib
 
+    lines = split_lines(text)
     new_text = rewrite(lines, decision.fix)
-    change = "".join(
-        difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}")
-    )
+    change = "".join(difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}"))
     return Report(OK, NOT_APPLIED_STATE, "would-apply", change, name, data, new_text.encode("utf-8"))
 
 

@@ -29,13 +29,6 @@ HARNESS_TIMEOUT_SECONDS = 180  # vLLM's import alone takes 8-15 s on a 2-core ma
 STEP_TIMEOUT_SECONDS = 10
 
 
-def shm_entries() -> set[str]:
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
-
-
 def run(path: str, root: str | None = None) -> tuple[int, str]:
     """Run the harness on the vllm that owns path; (exit code, the lines it printed)."""
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path))))
@@ -43,7 +36,6 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
     env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir, "PYTHONPATH": os.pathsep.join(
         p for p in (package_parent if root else None, os.environ.get("PYTHONPATH")) if p
     )}
-    shm_before = shm_entries()
     harness = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--harness", path],
         env=env,
@@ -61,9 +53,11 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
         code = NOT_FAIL_FAST
         out += f"FAIL the check did not finish within {HARNESS_TIMEOUT_SECONDS}s\n"
     finally:
-        with_suppressed_kill(harness.pid)
+        kill_process_group(harness.pid)
         shutil.rmtree(rpc_dir, ignore_errors=True)
-    left = sorted(shm_entries() - shm_before)
+    # Only the harness's own segments: a server on the node may make new ones meanwhile.
+    segments = [line.split()[1] for line in out.splitlines() if line.startswith("shm ")]
+    left = [name for name in segments if os.path.exists(os.path.join("/dev/shm", name))]
     if left:
         out += f"FAIL shared memory left in /dev/shm: {', '.join(left)}\n"
         code = code or NOT_FAIL_FAST
@@ -76,7 +70,7 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
     return code, out.rstrip("\n")
 
 
-def with_suppressed_kill(pid: int) -> None:
+def kill_process_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)  # any worker the harness left behind
     except OSError:
@@ -169,6 +163,7 @@ def harness(path: str) -> int:
         pipes.append(parent_end)
         procs.append(proc)
     broadcast = MessageQueue(2, 2)
+    print(f"shm {broadcast.handle.buffer_handle[-1]}", flush=True)
     responses = []
     failures = []
 
@@ -192,6 +187,7 @@ def harness(path: str) -> int:
                 print("FAIL a worker did not start")
                 return NOT_FAIL_FAST
             responses.append(MessageQueue.create_from_handle(pipe.recv(), 0))
+            print(f"shm {responses[-1].handle.buffer_handle[-1]}", flush=True)
         broadcast.wait_until_ready()
         for response in responses:
             response.wait_until_ready()
