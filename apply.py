@@ -468,7 +468,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(
         prog="apply.py",
-        description=__doc__.split("\n\n")[0],
+        description="\n\n".join(__doc__.split("\n\n")[:2]),
         epilog="\n".join(__doc__.split("\n\n")[2:]),
         formatter_class=HelpFormatter,
     )

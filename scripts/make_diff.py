@@ -15,7 +15,7 @@ import difflib
 import sys
 from collections.abc import Sequence
 
-TARGET = "vllm/v1/executor/multiproc_executor.py"
+from fetch_release import TARGET
 
 
 def function_spans(source: str) -> list[tuple[int, int]]:
