@@ -74,7 +74,8 @@ def test_main_job_on_a_real_install(version):
     assert run_apply(python, "--revert").returncode == 0
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version)
-    assert shm_entries() - shm_before == set(), "no shared memory left behind"
+    left = shm_entries() - shm_before
+    assert not left, f"shared memory left behind: {left}"
 
 
 def test_verify_says_when_vllm_cannot_be_imported(make_tree, capsys):
