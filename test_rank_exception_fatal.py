@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import pickle
-import re
 import subprocess
 import sys
 import threading
@@ -181,10 +180,10 @@ def failing_pickled_step(worker):
 
 
 def rpc_request(call: dict) -> tuple:
-    name = call["method"]
-    # As MultiprocExecutor.collective_rpc sends it: a name, or a pickled callable.
-    method = pickle.dumps(globals()[name]) if call.get("pickled") else name
-    return (method, (None,) if not call.get("pickled") else (), {}, call["output_rank"])
+    """(method, args, kwargs, output_rank) as MultiprocExecutor.collective_rpc enqueues it."""
+    if call.get("pickled"):  # a callable, sent pickled; the worker passes itself as first argument
+        return (pickle.dumps(globals()[call["method"]]), (), {}, call["output_rank"])
+    return (call["method"], (None,), {}, call["output_rank"])
 
 
 def run_child(path: str, case: dict) -> None:
