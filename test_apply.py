@@ -1,6 +1,7 @@
 """apply.py on trees made from the real release files: states, exit codes, safe writes."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import py_compile
@@ -177,8 +178,6 @@ def test_drifted_source_is_never_written(case, make_tree, capsys):
         message = capsys.readouterr().err
         assert path in message and reason in message
         assert "v0.26.0.diff, v0.30.0.diff, v0.33.0.diff" in message
-        import hashlib
-
         assert hashlib.sha256(drifted).hexdigest() in message
     assert leftovers(root) == []
 
