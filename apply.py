@@ -1,9 +1,20 @@
 #!/usr/bin/env python3
 """Apply, check or revert the rank-exception-fatal fix in vLLM's multiproc executor.
 
+usage: apply.py [--root DIR] [--check | --revert | --diff | --verify] [--json]
+
 Without a mode, applies the fix if it is not applied yet. Reads
 vllm/v1/executor/multiproc_executor.py under --root (default: $GAUDI_FIXES_ROOT),
 or else in the vllm package this Python would import, found without importing it.
+
+options:
+  --root DIR         the directory holding vllm/
+  --check            report only: 0 applied, 1 not applied, 2 drifted
+  --revert           put back the release's bytes
+  --diff, --dry-run  print the change as a unified diff; write nothing
+  --verify           run the installed vLLM's real worker loop and check that it fails fast
+  --json             print one JSON object instead of the human line
+  -h, --help         print this help
 
 exit codes:
   0  applied (or, with --diff, done; with --verify, the installed vLLM fails fast)
@@ -18,7 +29,6 @@ exit codes:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import namedtuple
@@ -449,53 +459,47 @@ class UsageError(Exception):
     pass
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str) -> None:
-        # argparse's own formatter imports shutil (and bz2, lzma) to read the
-        # terminal width, on every run: a third of the gate's cost over Python's.
-        try:
-            width = os.get_terminal_size().columns - 2
-        except OSError:
-            width = 78
-        super().__init__(prog, width=width)
+# Parsed by hand: argparse costs more than the rest of a --check run (~7 ms of
+# imports and gettext look-ups), and its usage errors exit 2, which means drifted.
+MODES = {"--check": "check", "--revert": "revert", "--diff": "diff", "--dry-run": "diff", "--verify": "verify"}
+Options = namedtuple("Options", "root mode json help")
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would exit 2, which means "drifted" here
-        raise UsageError(message)
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = ArgumentParser(
-        prog="apply.py",
-        description="\n\n".join(__doc__.split("\n\n")[:2]),
-        epilog="\n".join(__doc__.split("\n\n")[2:]),
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("--root", metavar="DIR", default=os.environ.get("GAUDI_FIXES_ROOT") or None,
-                        help="the directory holding vllm/ (default: $GAUDI_FIXES_ROOT, else the installed vllm)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="report only: 0 applied, 1 not applied, 2 drifted")
-    mode.add_argument("--revert", action="store_true", help="restore the release's bytes")
-    mode.add_argument("--diff", "--dry-run", action="store_true", help="print the change as a unified diff; write nothing")
-    mode.add_argument("--verify", action="store_true",
-                      help="run the installed vLLM's real worker loop and check that it fails fast")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the human line")
-    return parser.parse_args(argv)
+def parse_args(argv: Sequence[str]) -> Options:
+    root, mode, as_json, show_help = os.environ.get("GAUDI_FIXES_ROOT") or None, "apply", False, False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            show_help = True
+        elif arg == "--root" or arg.startswith("--root="):
+            root = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            if not root or root.startswith("-"):
+                raise UsageError("--root needs a directory")
+        elif arg in MODES:
+            if mode not in ("apply", MODES[arg]):
+                raise UsageError(f"{arg} cannot go with --{mode}: choose one mode")
+            mode = MODES[arg]
+        elif arg == "--json":
+            as_json = True
+        else:
+            raise UsageError(f"unknown argument {arg!r}")
+    return Options(root, mode, as_json, show_help)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = parse_args(argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
     except UsageError as e:
         print(f"apply.py: usage error: {e} (see --help)", file=sys.stderr)
         return USAGE
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else OK
+    if args.help:
+        print(__doc__.strip())
+        return OK
     path = None
     try:
         path = locate_target(args.root)
-        if args.verify:
+        if args.mode == "verify":
             import verify  # beside apply.py; it alone starts a process that imports vLLM
 
             code, lines = verify.run(path, args.root)
@@ -503,10 +507,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = Report(code, states[code], "verify", lines)
         else:
             fixes = read_bundle()
-            if args.check or args.diff:
-                report = run_check(path, fixes, show_diff=args.diff)
+            if args.mode in ("check", "diff"):
+                report = run_check(path, fixes, show_diff=args.mode == "diff")
             else:
-                report = run_change(path, fixes, revert=args.revert)
+                report = run_change(path, fixes, revert=args.mode == "revert")
     except Failure as e:
         report = Report(e.code, "error", "none", str(e))
     except KeyboardInterrupt:

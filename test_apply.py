@@ -331,11 +331,20 @@ def test_missing_bundle(make_tree, tmp_path, monkeypatch, capsys):
     assert "cannot read the patch bundle" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["--check", "--revert"], ["--bogus"], ["--root"]])
+@pytest.mark.parametrize(
+    "args", [["--check", "--revert"], ["--diff", "--verify"], ["--bogus"], ["--root"], ["--root="], ["--root", "--check"], ["x"]]
+)
 def test_usage_errors_have_their_own_code(args, capsys):
     assert apply.main(args) == 6
     err = capsys.readouterr().err
     assert err.startswith("apply.py: usage error:") and len(err.strip().splitlines()) == 1
+
+
+def test_root_takes_both_spellings(make_tree, capsys):
+    root = make_tree("0.30.0")
+    assert apply.main([f"--root={root}", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["action"] == "would-apply"
+    assert apply.main(["--check", "--root", root, "--check"]) == 1
 
 
 def test_help_lists_every_exit_code(capsys):
