@@ -31,11 +31,10 @@ STEP_TIMEOUT_SECONDS = 10
 
 def run(path: str, root: str | None = None) -> tuple[int, str]:
     """Run the harness on the vllm that owns path; (exit code, the lines it printed)."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path))))
     rpc_dir = tempfile.mkdtemp(prefix="rank-exception-fatal-verify-")  # vLLM's zmq ipc sockets
-    env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir, "PYTHONPATH": os.pathsep.join(
-        p for p in (package_parent if root else None, os.environ.get("PYTHONPATH")) if p
-    )}
+    env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir}
+    if root:  # the harness must import vllm from there, not the installed one
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     harness = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--harness", path],
         env=env,
