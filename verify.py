@@ -136,6 +136,7 @@ class StandInExecutor:
 def harness(path: str) -> int:
     try:
         import multiprocessing
+        import multiprocessing.connection
         import types
         from multiprocessing import resource_tracker
 
@@ -208,12 +209,18 @@ def harness(path: str) -> int:
         started = time.monotonic()
         broadcast.enqueue(("execute_model", (None,), {}, 0))
         rank0 = reply(0)
-        procs[1].join(STEP_TIMEOUT_SECONDS)
+        exited = bool(multiprocessing.connection.wait([procs[1].sentinel], STEP_TIMEOUT_SECONDS))
+        # vLLM's monitor polls the dead worker's status too (proc.exitcode); two threads
+        # reaping one child race, and the loser sees none. So let the monitor finish first,
+        # then join: a blocking wait that gets the status once the process is reapable.
+        fired = executor.callback_fired.wait(STEP_TIMEOUT_SECONDS if exited else 0.5)
+        if exited:
+            procs[1].join(STEP_TIMEOUT_SECONDS)
         check(rank0 is not None and rank0[0] == FAILURE, "output rank 0 replies FAILURE to the failing call")
         check(
-            procs[1].exitcode == 1,
+            exited and procs[1].exitcode == 1,
             f"rank 1 exits with status 1 (exit status: {procs[1].exitcode})"
-            if procs[1].exitcode is not None
+            if exited
             else f"rank 1 exits with status 1 (still running after {STEP_TIMEOUT_SECONDS}s)",
         )
         try:
@@ -225,7 +232,6 @@ def harness(path: str) -> int:
         pong = reply(0)
         check(pong is not None and pong[0] == SUCCESS and procs[0].is_alive(), "rank 0 keeps serving")
 
-        fired = executor.callback_fired.wait(STEP_TIMEOUT_SECONDS if procs[1].exitcode is not None else 0.5)
         if check(
             fired and executor.is_failed and executor.shutdown_called,
             "the worker monitor marks the executor failed, calls shutdown and the failure callback",
