@@ -1,37 +1,185 @@
 """Fetch vLLM release files from PyPI into a cache outside the repo.
 
-    python3 scripts/fetch_release.py [VERSION ...]   # default: every release the bundle covers
+    python3 scripts/fetch_release.py [VERSION ...]   # default: every release in releases/releases.tsv
+    python3 scripts/fetch_release.py --survey VERSION ...
 
 Prints one directory per version, each holding vllm/v1/executor/multiproc_executor.py
-exactly as in the vllm==VERSION wheel (checked against the wheel's RECORD). The
-wheel (~300 MB) is downloaded to a temporary directory and dropped; only the one
-file is kept, in $RANK_EXCEPTION_FATAL_CACHE (default ~/.cache/rank-exception-fatal).
+exactly as in the vllm==VERSION wheel, kept in $RANK_EXCEPTION_FATAL_CACHE (default
+~/.cache/rank-exception-fatal)/releases/VERSION/. Every file is checked against the
+sha256 that releases/releases.tsv records for its release.
+
+The file is read out of the wheel that the table names with HTTP range requests:
+the zip's central directory, its RECORD and the one member, a few hundred KB of a
+250-500 MB wheel, checked against the wheel's RECORD too. Where the files host
+does not honour ranges, the file comes from the sdist if the table says that the
+sdist holds it byte-identical (its download checked against the index's sha256),
+else from the whole wheel.
+
+--survey makes a table row for releases not in the table yet: it reads the file
+from the x86_64 wheel (each one, where a release has several), and downloads the
+sdist once to say whether it holds the same bytes. It also reads the release's
+ParallelConfig for enable_fault_tolerance. It prints a row less its diff column:
+version, sha256, fault_tolerance, wheel, sdist.
 """
 from __future__ import annotations
 
 import base64
 import csv
-import glob
+import functools
 import hashlib
 import io
+import json
 import os
-import subprocess
+import re
 import sys
+import tarfile
 import tempfile
+import urllib.request
 import zipfile
+from collections import namedtuple
 from collections.abc import Sequence
 
 TARGET = "vllm/v1/executor/multiproc_executor.py"
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TABLE = os.path.join(HERE, "releases", "releases.tsv")
+INDEX_URL = "https://pypi.org/simple/vllm/"
+TIMEOUT_SECONDS = 60
+
+# version, the diff in patches/ that fixes it, the sha256 of its TARGET, whether
+# its parallel config has enable_fault_tolerance (yes/no), the wheel the file is
+# read from, and whether the sdist holds the same bytes (same/differs/none).
+Release = namedtuple("Release", "version diff sha256 fault_tolerance wheel sdist")
+COLUMNS = Release._fields
+
+
+def read_table(path: str = TABLE) -> dict[str, Release]:
+    releases: dict[str, Release] = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = [line for line in f if line.strip() and not line.startswith("#")]
+    header, *rows = list(csv.reader(lines, delimiter="\t"))
+    if tuple(header) != COLUMNS:
+        raise ValueError(f"{path}: the header must be {' '.join(COLUMNS)}, not {' '.join(header)}")
+    for row in rows:
+        release = Release(*row)
+        if (
+            not re.fullmatch(r"[0-9a-f]{64}", release.sha256)
+            or release.fault_tolerance not in ("yes", "no")
+            or release.sdist not in ("same", "differs", "none")
+        ):
+            raise ValueError(f"{path}: bad row {row}")
+        if release.version in releases:
+            raise ValueError(f"{path}: {release.version} is listed twice")
+        releases[release.version] = release
+    return releases
+
+
+TABLE_ROWS = read_table()
 # Every release with the bug, oldest first; the test matrix and CI run all of them.
-RELEASES = (
-    "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
-    "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
+RELEASES = tuple(TABLE_ROWS)
 
 
 def cache_dir() -> str:
     default = os.path.join(os.path.expanduser("~"), ".cache", "rank-exception-fatal")
     return os.environ.get("RANK_EXCEPTION_FATAL_CACHE") or default
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- the index ------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def index_files() -> dict[str, dict]:
+    """filename -> the index's entry (url, size, hashes), from PyPI's JSON simple API."""
+    request = urllib.request.Request(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
+        return {entry["filename"]: entry for entry in json.load(response)["files"]}
+
+
+def index_entry(filename: str) -> dict:
+    try:
+        return index_files()[filename]
+    except KeyError:
+        raise LookupError(f"{filename} is not on the index") from None
+
+
+def x86_64_wheels(version: str) -> list[str]:
+    pattern = re.compile(rf"vllm-{re.escape(version)}-(?:\d[^-]*-)?[^-]+-[^-]+-[^-]*x86_64\.whl")
+    return sorted(name for name in index_files() if pattern.fullmatch(name))
+
+
+def build_number(wheel: str) -> int:
+    """A wheel's build tag as a number, -1 without one."""
+    parts = wheel[: -len(".whl")].split("-")
+    return int(re.match(r"\d+", parts[2]).group()) if len(parts) == 6 else -1
+
+
+def sdist_name(version: str) -> str | None:
+    name = f"vllm-{version}.tar.gz"
+    return name if name in index_files() else None
+
+
+# --- reading a wheel by range ---------------------------------------------------
+
+
+class RangeNotHonoured(OSError):
+    pass
+
+
+class RemoteFile(io.RawIOBase):
+    """A read-only, seekable view of a file on the files host, fetched block by block."""
+
+    BLOCK = 1 << 18
+
+    def __init__(self, url: str, size: int) -> None:
+        super().__init__()
+        self.url, self.size, self.position = url, size, 0
+        self.blocks: dict[int, bytes] = {}
+        self.bytes_fetched = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def block(self, index: int) -> bytes:
+        if index not in self.blocks:
+            start = index * self.BLOCK
+            end = min(start + self.BLOCK, self.size) - 1
+            request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
+            with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
+                if response.status != 206 or not response.headers.get("Content-Range", "").startswith(
+                    f"bytes {start}-{end}/"
+                ):
+                    raise RangeNotHonoured(f"{self.url} did not answer a range request with that range")
+                data = response.read()
+            if len(data) != end - start + 1:
+                raise OSError(f"{self.url}: short read at {start}")
+            self.blocks[index] = data
+            self.bytes_fetched += len(data)
+        return self.blocks[index]
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self.size - self.position))
+        done = 0
+        while done < count:
+            index, offset = divmod(self.position + done, self.BLOCK)
+            chunk = self.block(index)[offset : offset + count - done]
+            buffer[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        self.position += count
+        return count
 
 
 def recorded_sha256(wheel: zipfile.ZipFile, name: str) -> str:
@@ -44,46 +192,142 @@ def recorded_sha256(wheel: zipfile.ZipFile, name: str) -> str:
     raise LookupError(f"{name} is not in the wheel's RECORD")
 
 
-def download_release_file(version: str) -> bytes:
-    with tempfile.TemporaryDirectory() as download:
-        subprocess.run(
-            [
-                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--only-binary", ":all:", "--python-version", "3.12",
-                "--platform", "manylinux_2_28_x86_64", "-d", download, f"vllm=={version}",
-            ],
-            check=True,
-        )
-        [wheel_path] = glob.glob(os.path.join(download, "vllm-*.whl"))
-        with zipfile.ZipFile(wheel_path) as wheel:
-            data = wheel.read(TARGET)
-            if hashlib.sha256(data).hexdigest() != recorded_sha256(wheel, TARGET):
-                raise ValueError(f"{TARGET} in {os.path.basename(wheel_path)} does not match its RECORD")
+def member_of_wheel(wheel_file, label: str, name: str = TARGET) -> bytes:
+    with zipfile.ZipFile(wheel_file) as wheel:
+        data = wheel.read(name)
+        if sha256(data) != recorded_sha256(wheel, name):
+            raise ValueError(f"{name} in {label} does not match the wheel's RECORD")
     return data
+
+
+def download(url: str, expected_sha256: str, into) -> None:
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as response:
+        while chunk := response.read(1 << 20):
+            digest.update(chunk)
+            into.write(chunk)
+    if digest.hexdigest() != expected_sha256:
+        raise ValueError(f"{url} does not match the index's sha256")
+    into.seek(0)
+
+
+def read_from_wheel(filename: str, *, whole: bool = False, name: str = TARGET) -> bytes:
+    entry = index_entry(filename)
+    if not whole:
+        remote = io.BufferedReader(RemoteFile(entry["url"], entry["size"]), 1 << 16)
+        return member_of_wheel(remote, filename, name)
+    with tempfile.TemporaryFile() as f:
+        download(entry["url"], entry["hashes"]["sha256"], f)
+        return member_of_wheel(f, filename, name)
+
+
+def read_from_sdist(filename: str) -> bytes:
+    entry = index_entry(filename)
+    with tempfile.TemporaryFile() as f:
+        download(entry["url"], entry["hashes"]["sha256"], f)
+        with tarfile.open(fileobj=f, mode="r:gz") as sdist:
+            top = filename[: -len(".tar.gz")]
+            member = sdist.extractfile(f"{top}/{TARGET}")
+            if member is None:
+                raise LookupError(f"{TARGET} is not a regular file in {filename}")
+            return member.read()
+
+
+def fetch(release: Release) -> bytes:
+    try:
+        data = read_from_wheel(release.wheel)
+    except RangeNotHonoured:
+        if release.sdist == "same":
+            data = read_from_sdist(f"vllm-{release.version}.tar.gz")
+        else:
+            data = read_from_wheel(release.wheel, whole=True)
+    if sha256(data) != release.sha256:
+        raise ValueError(f"{TARGET} of vllm=={release.version} does not have the sha256 in releases/releases.tsv")
+    return data
+
+
+# --- the cache --------------------------------------------------------------------
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # A fetch killed half-way must not leave a half file that later runs trust.
+    fd, temp = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        os.fchmod(f.fileno(), 0o644)
+    os.replace(temp, path)
 
 
 def release_tree(version: str) -> str:
     """The cached directory holding vllm/ for this release, fetched on first use."""
+    try:
+        release = TABLE_ROWS[version]
+    except KeyError:
+        raise LookupError(f"vllm=={version} is not in releases/releases.tsv") from None
     tree = os.path.join(cache_dir(), "releases", version)
     path = os.path.join(tree, TARGET)
-    if not os.path.isfile(path):
-        data = download_release_file(version)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # A fetch killed half-way must not leave a half file that later runs trust.
-        fd, temp = tempfile.mkstemp(dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            os.fchmod(f.fileno(), 0o644)
-        os.replace(temp, path)
+    try:
+        with open(path, "rb") as f:
+            cached_ok = sha256(f.read()) == release.sha256
+    except FileNotFoundError:
+        cached_ok = False
+    if not cached_ok:
+        write_atomically(path, fetch(release))
     return tree
 
 
+# --- a new release ------------------------------------------------------------------
+
+
+def has_fault_tolerance_setting(wheel: str) -> bool:
+    """Whether the release's ParallelConfig declares enable_fault_tolerance."""
+    for config in ("vllm/config/parallel.py", "vllm/config.py"):
+        try:
+            text = read_from_wheel(wheel, name=config).decode("utf-8")
+        except KeyError:
+            continue
+        return re.search(r"^    enable_fault_tolerance\b", text, re.M) is not None
+    raise LookupError(f"{wheel} has no vllm/config/parallel.py or vllm/config.py")
+
+
+def survey(version: str) -> str:
+    """The table row for a release, less its diff: one line, tab-separated."""
+    wheels = x86_64_wheels(version)
+    if not wheels:
+        raise LookupError(f"vllm=={version} has no x86_64 wheel on the index")
+    found = {name: read_from_wheel(name) for name in wheels}
+    if len(set(found.values())) != 1:
+        raise ValueError(f"the x86_64 wheels of vllm=={version} hold different files: {sorted(found)}")
+    wheel = max(wheels, key=build_number)  # pip picks the highest build tag
+    data = found[wheel]
+    sdist = sdist_name(version)
+    if sdist is None:
+        same = "none"
+    else:
+        try:
+            same = "same" if read_from_sdist(sdist) == data else "differs"
+        except (LookupError, KeyError):
+            same = "differs"
+    write_atomically(os.path.join(cache_dir(), "releases", version, TARGET), data)
+    fault_tolerance = "yes" if has_fault_tolerance_setting(wheel) else "no"
+    return "\t".join((version, sha256(data), fault_tolerance, wheel, same))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    versions = list(sys.argv[1:] if argv is None else argv) or list(RELEASES)
-    for version in versions:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--survey"]:
+        for version in args[1:]:
+            try:
+                print(survey(version), flush=True)
+            except (OSError, ValueError, LookupError, zipfile.BadZipFile, tarfile.TarError) as e:
+                print(f"fetch_release.py: cannot survey vllm=={version}: {e}", file=sys.stderr)
+                return 1
+        return 0
+    for version in args or RELEASES:
         try:
             print(release_tree(version), flush=True)
-        except (subprocess.CalledProcessError, OSError, ValueError, LookupError) as e:
+        except (OSError, ValueError, LookupError, zipfile.BadZipFile, tarfile.TarError) as e:
             print(f"fetch_release.py: cannot fetch vllm=={version}: {e}", file=sys.stderr)
             return 1
     return 0

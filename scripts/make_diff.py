@@ -6,12 +6,19 @@ apply.py fingerprints a release by finding each hunk's pre-image exactly. Three
 lines of context would let a release whose changed function differs elsewhere
 pass as a match, so the context is widened (symmetrically: GNU patch reads
 uneven context as "anchor at the end of the file") until every hunk carries the
-whole function it changes, decorators included.
+whole function it changes, decorators included. The first line is the sha256
+of the rest, which apply.py checks.
+
+To regenerate the bundle's diff for a release after editing its copy (kept
+outside the repo, e.g. in ~/.cache/rank-exception-fatal/edited/vX/):
+
+    python3 scripts/make_diff.py "$(python3 scripts/fetch_release.py X)/vllm/v1/executor/multiproc_executor.py" EDITED > patches/vX.diff
 """
 from __future__ import annotations
 
 import ast
 import difflib
+import hashlib
 import sys
 from collections.abc import Sequence
 
@@ -46,8 +53,14 @@ def context_covering_functions(old: str, new: str) -> int:
     return context
 
 
+# The first line of every diff: apply.py refuses a diff whose lines below it no
+# longer have this sha256 (a copy cut short at a hunk boundary still parses).
+# git apply and patch skip it as text before the diff.
+HEADER = "# sha256 of the lines below: "
+
+
 def make_diff(old: str, new: str) -> str:
-    return "".join(
+    body = "".join(
         difflib.unified_diff(
             old.splitlines(keepends=True),
             new.splitlines(keepends=True),
@@ -56,6 +69,7 @@ def make_diff(old: str, new: str) -> str:
             n=context_covering_functions(old, new),
         )
     )
+    return f"{HEADER}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
