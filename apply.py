@@ -602,10 +602,10 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
 
 
 def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str]) -> Report:
-    cleaned = f"; removed stale bytecode {', '.join(removed)}" if removed else ""
+    cleaned = f", removed stale bytecode {', '.join(removed)}" if removed else ""
     if revert:
-        return Report(OK, NOT_APPLIED_STATE, "none", f"not applied; nothing to revert{cleaned}", None, data, data)
-    message = f"already applied (patches/{decision.fix.name}){cleaned}"
+        return Report(OK, NOT_APPLIED_STATE, "none", f"not applied (nothing to revert{cleaned})", None, data, data)
+    message = f"already applied (patches/{decision.fix.name}{cleaned})"
     return Report(OK, APPLIED_STATE, "none", message, decision.fix.name, data, data)
 
 
@@ -636,10 +636,7 @@ def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
     if decision.state == APPLIED_STATE and not show_diff:
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data)
         if stale:
-            message = (
-                f"applied in the source (patches/{name}), but Python would run the old code from"
-                f" {stale[0]}: run apply.py, which removes it"
-            )
+            message = f"stale bytecode {stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
             return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, name, data, data)
     if decision.state == APPLIED_STATE:
         return Report(OK, APPLIED_STATE, "none", f"applied (patches/{name})", name, data, data)
