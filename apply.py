@@ -743,6 +743,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def emit(stream, text: str) -> None:
     """Print text; if the stream cannot take it, say so on stderr and go on."""
+    if stream is None:  # Python started with that descriptor closed
+        if sys.stderr is not None and stream is not sys.stderr:
+            emit(sys.stderr, "apply.py: cannot print the report: stdout is closed")
+        return
     try:
         try:
             stream.write(text + "\n")

@@ -603,6 +603,11 @@ def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):
     assert read(target(root)) == patched_bytes("0.30.0", tmp_path)
     assert done.stderr.startswith("apply.py: cannot print the report:") and len(done.stderr.splitlines()) == 1
     assert check.returncode == 0 and len(check.stderr.splitlines()) == 1
+    closed = subprocess.run(["sh", "-c", '"$@" >&-', "sh", sys.executable, APPLY, "--root", root, "--check"],
+                            capture_output=True, text=True)
+    assert (closed.returncode, closed.stderr) == (0, "apply.py: cannot print the report: stdout is closed\n")
+    neither = subprocess.run(["sh", "-c", '"$@" >&- 2>&-', "sh", sys.executable, APPLY, "--root", str(tmp_path)])
+    assert neither.returncode == 3
 
 
 def test_a_path_the_output_encoding_cannot_spell(make_tree):
