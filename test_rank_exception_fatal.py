@@ -1,14 +1,12 @@
 """Drive vLLM's real worker RPC loop and check that a failing non-output rank exits.
 
-The loop is taken from vllm/v1/executor/multiproc_executor.py with ast (both
-release shapes: the loop inline in WorkerProc.worker_busy_loop, or the loop
-calling WorkerProc._execute_worker_rpc), bound to a stand-in worker process and
-fed from a fake broadcast queue, one child Python process per case: the fix
-ends the process, so a case cannot run in the test's own.
-
-Target: $GAUDI_FIXES_ROOT/vllm/... when GAUDI_FIXES_ROOT is set, else the
-installed vLLM, located without importing it (importing vLLM needs torch and a
-device). Standard library only; runs under pytest or `python3 -m unittest`.
+The loop is taken from vllm/v1/executor/multiproc_executor.py with ast (every
+release shape from 0.8.5 on: the loop inline in WorkerProc.worker_busy_loop or
+calling WorkerProc._execute_worker_rpc; replying through handle_output or
+straight onto worker_response_mq; reading the call's output rank, or 0.8.5's
+rank0_only flag), bound to a stand-in worker process and fed from a fake
+broadcast queue, one child Python process per case: the fix ends the process,
+so a case cannot run in the test's own.
 """
 from __future__ import annotations
 
@@ -52,19 +50,24 @@ def worker_proc_class(tree: ast.Module) -> ast.ClassDef:
     raise AssertionError("no class WorkerProc in the file")
 
 
+def reads_fault_tolerance(node: ast.AST) -> bool:
+    # parallel_config.enable_fault_tolerance, or getattr(..., "enable_fault_tolerance", ...)
+    return (isinstance(node, ast.Attribute) and node.attr == "enable_fault_tolerance") or (
+        isinstance(node, ast.Constant) and node.value == "enable_fault_tolerance"
+    )
+
+
 def fault_tolerance_statements(cls: ast.ClassDef) -> list[ast.stmt]:
     """The statements of WorkerProc.__init__ that read enable_fault_tolerance."""
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
-            return [
-                stmt
-                for stmt in node.body
-                if any(
-                    isinstance(n, ast.Attribute) and n.attr == "enable_fault_tolerance"
-                    for n in ast.walk(stmt)
-                )
-            ]
+            return [stmt for stmt in node.body if any(reads_fault_tolerance(n) for n in ast.walk(stmt))]
     return []
+
+
+def uses_rank0_only(cls: ast.ClassDef) -> bool:
+    """0.8.5 sends a rank0_only flag where later releases send the output rank."""
+    return any(isinstance(n, ast.Name) and n.id == "rank0_only" for n in ast.walk(cls))
 
 
 def strip_annotations(function: ast.FunctionDef) -> None:
@@ -151,7 +154,7 @@ class FakeBroadcastQueue:
     def __init__(self, calls):
         self.calls = list(calls)
 
-    def dequeue(self, timeout=None, indefinite=False):
+    def dequeue(self, timeout=None, cancel=None, indefinite=False):
         if not self.calls:
             raise QueueDrained
         return self.calls.pop(0)
@@ -179,11 +182,27 @@ def failing_pickled_step(worker):
     raise ValueError("collective failed")
 
 
-def rpc_request(call: dict) -> tuple:
-    """(method, args, kwargs, output_rank) as MultiprocExecutor.collective_rpc enqueues it."""
+class FakeResponseQueue:
+    """worker_response_mq, onto which releases before 0.10.2 put replies themselves."""
+
+    def enqueue(self, response):
+        status, value = response
+        if status == "FAILURE":
+            emit(reply="failure", message=str(value))
+        else:
+            emit(reply="success", value=value)
+
+
+def rpc_request(call: dict, rank0_only: bool) -> tuple:
+    """(method, args, kwargs, output_rank) as MultiprocExecutor.collective_rpc enqueues it;
+    0.8.5 sends rank0_only (output rank 0, or every rank) in the last place."""
+    output_rank = call["output_rank"]
+    if rank0_only:
+        assert output_rank in (0, None), "0.8.5 can only ask rank 0 or every rank"
+        output_rank = output_rank == 0
     if call.get("pickled"):  # a callable, sent pickled; the worker passes itself as first argument
-        return (pickle.dumps(globals()[call["method"]]), (), {}, call["output_rank"])
-    return (call["method"], (None,), {}, call["output_rank"])
+        return (pickle.dumps(globals()[call["method"]]), (), {}, output_rank)
+    return (call["method"], (None,), {}, output_rank)
 
 
 def run_child(path: str, case: dict) -> None:
@@ -192,16 +211,23 @@ def run_child(path: str, case: dict) -> None:
     logging.getLogger(LOGGER_NAME).addHandler(handler)
 
     worker_proc_type, cls = extract_worker_proc(path)
+    if not hasattr(worker_proc_type, "ResponseStatus"):  # a nested Enum, not extracted
+        worker_proc_type.ResponseStatus = types.SimpleNamespace(SUCCESS="SUCCESS", FAILURE="FAILURE")
     proc = worker_proc_type.__new__(worker_proc_type)  # as tests make it: no __init__
     if case.get("fault_tolerance") is not None:
-        parallel_config = types.SimpleNamespace(enable_fault_tolerance=case["fault_tolerance"])
+        # "absent": a release whose ParallelConfig has no such field.
+        setting = {} if case["fault_tolerance"] == "absent" else {"enable_fault_tolerance": case["fault_tolerance"]}
+        parallel_config = types.SimpleNamespace(**setting)
         init_scope = {"self": proc, "vllm_config": types.SimpleNamespace(parallel_config=parallel_config)}
         for stmt in fault_tolerance_statements(cls):
             exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), init_scope)
     proc.rank = case["rank"]
     proc.worker = StandInModelWorker()
     proc.use_async_scheduling = False
-    proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c) for c in case["calls"])
+    proc.mm_receiver_cache = None  # 0.11.0's multimodal cache, off
+    proc.worker_response_mq = FakeResponseQueue()
+    rank0_only = uses_rank0_only(cls)
+    proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c, rank0_only) for c in case["calls"])
 
     def handle_output(output):
         if isinstance(output, Exception):
@@ -267,6 +293,10 @@ class WorkerLoopTest(unittest.TestCase):
         if not os.path.isfile(target):
             raise AssertionError(f"{target} does not exist (GAUDI_FIXES_ROOT points elsewhere?)")
         cls.target = target
+        with open(target, encoding="utf-8") as f:
+            cls.worker_proc = worker_proc_class(ast.parse(f.read()))
+        # A call answered by one rank other than 0, where the release can say so.
+        cls.other_output_rank = 0 if uses_rank0_only(cls.worker_proc) else 1
 
     def run_case(self, rank, calls, *, fault_tolerance=None, blocking_teardown=False):
         case = {
@@ -320,11 +350,12 @@ class WorkerLoopTest(unittest.TestCase):
         self.assert_exited_for(outcome, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])
 
     def test_failing_output_rank_replies_and_goes_on(self):
+        rank = self.other_output_rank
         outcome = self.run_case(
-            1,
+            rank,
             [
-                {"method": "execute_model", "output_rank": 1},
-                {"method": "sample_tokens", "output_rank": 1},
+                {"method": "execute_model", "output_rank": rank},
+                {"method": "sample_tokens", "output_rank": rank},
             ],
         )
         self.assertEqual(outcome.returncode, 0, str(outcome))
@@ -396,18 +427,17 @@ class WorkerLoopTest(unittest.TestCase):
         self.assertNotIn("sample_tokens", line, "a name left over from the previous call")
 
     def test_fault_tolerance_setting(self):
-        with open(self.target, encoding="utf-8") as f:
-            source = f.read()
-        statements = fault_tolerance_statements(worker_proc_class(ast.parse(source)))
-        if "enable_fault_tolerance" not in source:
-            # Releases before 0.33.0 have no such setting: nothing may turn the exit off.
-            self.assertEqual(statements, [])
-            return
-        self.assertTrue(statements, "WorkerProc.__init__ must read parallel_config.enable_fault_tolerance")
+        statements = fault_tolerance_statements(self.worker_proc)
         calls = [
             {"method": "execute_model", "output_rank": 0},
             {"method": "sample_tokens", "output_rank": 0},
         ]
+        with open(self.target, encoding="utf-8") as f:
+            if "enable_fault_tolerance" not in f.read():
+                # Releases before 0.33.0 have no such setting: nothing may turn the exit off.
+                self.assertEqual(statements, [])
+                return
+        self.assertTrue(statements, "WorkerProc.__init__ must read parallel_config.enable_fault_tolerance")
         off = self.run_case(1, calls, fault_tolerance=False)
         self.assert_exited_for(off, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])
         on = self.run_case(1, calls, fault_tolerance=True)
