@@ -7,6 +7,16 @@ straight onto worker_response_mq; reading the call's output rank, or 0.8.5's
 rank0_only flag), bound to a stand-in worker process and fed from a fake
 broadcast queue, one child Python process per case: the fix ends the process,
 so a case cannot run in the test's own.
+
+Where the release has parallel_config.enable_fault_tolerance (0.27.0 on), the
+fix must keep the release's behaviour with it on; both settings are run. Whether
+the release has it: $RANK_EXCEPTION_FATAL_FAULT_TOLERANCE (yes/no, as
+releases/releases.tsv says) when set, else the release's own vllm/config beside
+the target, else whether the target file mentions it.
+
+Target: $GAUDI_FIXES_ROOT/vllm/... when GAUDI_FIXES_ROOT is set, else the
+installed vLLM, located without importing it (importing vLLM needs torch and a
+device). Standard library only; runs under pytest or `python3 -m unittest`.
 """
 from __future__ import annotations
 
@@ -63,6 +73,20 @@ def fault_tolerance_statements(cls: ast.ClassDef) -> list[ast.stmt]:
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
             return [stmt for stmt in node.body if any(reads_fault_tolerance(n) for n in ast.walk(stmt))]
     return []
+
+
+def release_has_fault_tolerance(target: str) -> bool:
+    """Whether the release declares parallel_config.enable_fault_tolerance (0.27.0 and later)."""
+    told = os.environ.get("RANK_EXCEPTION_FATAL_FAULT_TOLERANCE")
+    if told in ("yes", "no"):
+        return told == "yes"
+    vllm_dir = os.path.dirname(os.path.dirname(os.path.dirname(target)))
+    for config in (os.path.join(vllm_dir, "config", "parallel.py"), os.path.join(vllm_dir, "config.py")):
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                return any(line.startswith("    enable_fault_tolerance") for line in f)
+    with open(target, encoding="utf-8") as f:
+        return "enable_fault_tolerance" in f.read()
 
 
 def uses_rank0_only(cls: ast.ClassDef) -> bool:
@@ -432,11 +456,12 @@ class WorkerLoopTest(unittest.TestCase):
             {"method": "execute_model", "output_rank": 0},
             {"method": "sample_tokens", "output_rank": 0},
         ]
-        with open(self.target, encoding="utf-8") as f:
-            if "enable_fault_tolerance" not in f.read():
-                # Releases before 0.33.0 have no such setting: nothing may turn the exit off.
-                self.assertEqual(statements, [])
-                return
+        if not release_has_fault_tolerance(self.target):
+            # Releases before 0.27.0 have no such setting: nothing may turn the exit off,
+            # and a worker that reads it must not fail for want of it.
+            absent = self.run_case(1, calls, fault_tolerance="absent")
+            self.assert_exited_for(absent, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])
+            return
         self.assertTrue(statements, "WorkerProc.__init__ must read parallel_config.enable_fault_tolerance")
         off = self.run_case(1, calls, fault_tolerance=False)
         self.assert_exited_for(off, rank=1, method="execute_model", output_rank=0, ran=["execute_model"])

@@ -123,5 +123,9 @@ def test_a_future_release_fails_closed(make_tree, capsys):
         text = f.read()
     with open(path, "w", encoding="utf-8") as f:
         f.write(text.replace("            watchdog = get_watch_dog()\n", "            watchdog = get_watch_dog(self.rank)\n"))
+    with open(path, "rb") as f:
+        drifted = f.read()
     assert apply.main(["--root", root]) == 2
-    assert "get_watch_dog(self.rank)" in capsys.readouterr().err
+    assert "source drifted" in capsys.readouterr().err
+    with open(path, "rb") as f:
+        assert f.read() == drifted, "nothing is written"
