@@ -20,6 +20,7 @@ import pytest
 
 import apply
 from conftest import TARGET, release_bytes, release_tree
+import fetch_release
 from fetch_release import RELEASES, TABLE_ROWS
 from make_diff import make_diff
 
@@ -129,3 +130,46 @@ def test_a_future_release_fails_closed(make_tree, capsys):
     assert "source drifted" in capsys.readouterr().err
     with open(path, "rb") as f:
         assert f.read() == drifted, "nothing is written"
+
+
+# --- fetching ---------------------------------------------------------------------
+
+
+def test_fetch_falls_back_to_the_sdist_where_ranges_are_refused(monkeypatch):
+    release = TABLE_ROWS["0.8.5"]  # its sdist holds the same file, and is 7 MB
+    assert release.sdist == "same"
+    expected = release_bytes("0.8.5")
+
+    def refuse(self, index):
+        raise fetch_release.RangeNotHonoured("this host sends whole files")
+
+    monkeypatch.setattr(fetch_release.RemoteFile, "block", refuse)
+    assert fetch_release.fetch(release) == expected
+
+
+def test_a_file_unlike_the_table_is_refused(monkeypatch):
+    monkeypatch.setattr(fetch_release, "read_from_wheel", lambda *args, **kwargs: b"not the release's file\n")
+    with pytest.raises(ValueError, match="releases/releases.tsv"):
+        fetch_release.fetch(TABLE_ROWS["0.30.0"])
+
+
+def test_a_damaged_cached_file_is_fetched_again(tmp_path, monkeypatch):
+    expected = release_bytes("0.30.0")
+    monkeypatch.setenv("RANK_EXCEPTION_FATAL_CACHE", str(tmp_path))
+    cached = tmp_path / "releases" / "0.30.0" / TARGET
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(expected[:1000])  # a copy cut short
+    fetched = []
+    monkeypatch.setattr(fetch_release, "read_from_wheel", lambda name, **kwargs: fetched.append(name) or expected)
+    assert fetch_release.release_tree("0.30.0") == str(tmp_path / "releases" / "0.30.0")
+    assert cached.read_bytes() == expected and fetched == [TABLE_ROWS["0.30.0"].wheel]
+    fetch_release.release_tree("0.30.0")
+    assert len(fetched) == 1, "a whole cached file is not fetched again"
+
+
+def test_survey_gives_the_table_row(tmp_path, monkeypatch):
+    """The table's data is what --survey reads off PyPI (here for the first release, whose sdist is small)."""
+    monkeypatch.setenv("RANK_EXCEPTION_FATAL_CACHE", str(tmp_path))
+    release = TABLE_ROWS["0.8.5"]
+    row = (release.version, release.sha256, release.fault_tolerance, release.wheel, release.sdist)
+    assert fetch_release.survey("0.8.5") == "\t".join(row)

@@ -124,8 +124,8 @@ def sdist_name(version: str) -> str | None:
 # --- reading a wheel by range ---------------------------------------------------
 
 
-class RangeNotHonoured(OSError):
-    pass
+class RangeNotHonoured(Exception):
+    """Not an OSError: zipfile would take that for "not a zip file"."""
 
 
 class RemoteFile(io.RawIOBase):
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for version in args[1:]:
             try:
                 print(survey(version), flush=True)
-            except (OSError, ValueError, LookupError, zipfile.BadZipFile, tarfile.TarError) as e:
+            except (OSError, ValueError, LookupError, RangeNotHonoured, zipfile.BadZipFile, tarfile.TarError) as e:
                 print(f"fetch_release.py: cannot survey vllm=={version}: {e}", file=sys.stderr)
                 return 1
         return 0
