@@ -240,12 +240,16 @@ def split_lines(text: str) -> list[str]:
 
 
 def find_block(lines: Sequence[str], block: Sequence[str]) -> list[int]:
-    size = len(block)
-    return [
-        i
-        for i in range(len(lines) - size + 1)
-        if lines[i] == block[0] and list(lines[i : i + size]) == list(block)
-    ]
+    lines, block = list(lines), list(block)
+    found, start = [], 0
+    while True:
+        try:
+            start = lines.index(block[0], start)  # in C: a --check fingerprints every diff
+        except ValueError:
+            return found
+        if lines[start : start + len(block)] == block:
+            found.append(start)
+        start += 1
 
 
 def locate_blocks(lines: Sequence[str], blocks: Sequence[Sequence[str]]) -> list[int] | None:
