@@ -264,6 +264,11 @@ def run_child(path: str, case: dict) -> None:
         proc.worker_busy_loop()
     except QueueDrained:
         emit(drained=True)
+    except BaseException as e:
+        # os._exit runs no handler: an exception here means the fix did not run its course
+        # (a NameError for an unimported os would also end the process with status 1).
+        emit(escaped=f"{type(e).__name__}: {e}")
+        raise
     finally:
         if case.get("blocking_teardown"):
             # worker_main's finally: worker.shutdown() can wait forever on peers.
@@ -287,6 +292,10 @@ class Outcome:
     @property
     def replies(self):
         return [e for e in self.events if "reply" in e]
+
+    @property
+    def escaped(self):
+        return [e["escaped"] for e in self.events if "escaped" in e]
 
     @property
     def drained(self):
@@ -341,6 +350,7 @@ class WorkerLoopTest(unittest.TestCase):
     def assert_exited_for(self, outcome, *, rank, method, output_rank, ran):
         self.assertFalse(outcome.timed_out, f"the worker did not end within {CASE_TIMEOUT_SECONDS}s: {outcome}")
         self.assertEqual(outcome.returncode, 1, f"the worker must exit with status 1: {outcome}")
+        self.assertEqual(outcome.escaped, [], f"the worker must exit, not raise: {outcome}")
         self.assertEqual(outcome.ran, ran, f"no queued call may run after the failure: {outcome}")
         self.assertEqual(outcome.replies, [], f"a non-output rank must not reply: {outcome}")
         self.assertIn("WorkerProc hit an exception.", outcome.stderr, "the traceback log is kept")
