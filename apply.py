@@ -221,8 +221,11 @@ def parse_fix(name: str, text: str) -> Fix:
     for number, hunk in enumerate(patch[0], 1):
         # The context is what recognises a release; a hunk without it matches anywhere.
         if not any(line.is_context for line in hunk):
-            raise Failure(BAD_BUNDLE, f"patches/{name} hunk {number} has no context lines: write it with scripts/make_diff.py")
-        hunks.append(Hunk(tuple(line.value for line in hunk.source_lines()), tuple(line.value for line in hunk.target_lines())))
+            raise Failure(
+                BAD_BUNDLE, f"patches/{name} hunk {number} has no context lines: write it with scripts/make_diff.py"
+            )
+        before = tuple(line.value for line in hunk.source_lines())
+        hunks.append(Hunk(before, tuple(line.value for line in hunk.target_lines())))
         if hunks[-1].before == hunks[-1].after:
             raise Failure(BAD_BUNDLE, f"patches/{name} hunk {number} changes nothing")
     return Fix(name, tuple(hunks))
@@ -620,7 +623,9 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
     if distribution:
         reinstall = f"pip install --force-reinstall --no-deps {distribution.name}=={distribution.version}"
     else:
-        reinstall = "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
+        reinstall = (
+            "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
+        )
     message = (
         f"source drifted: {path} matches none of the bundle's diffs; nothing was written\n"
         f"  sha256 {hashlib.sha256(data).hexdigest()}, {describe(distribution)}\n"
@@ -640,7 +645,9 @@ def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
     if decision.state == APPLIED_STATE and not show_diff:
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data)
         if stale:
-            message = f"stale bytecode {stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
+            message = (
+                f"stale bytecode {stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
+            )
             return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, name, data, data)
     if decision.state == APPLIED_STATE:
         return Report(OK, APPLIED_STATE, "none", f"applied (patches/{name})", name, data, data)

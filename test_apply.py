@@ -182,7 +182,8 @@ LOOP_LINE = b'            logger.exception("WorkerProc hit an exception.")\n'
 
 def loop_hunk(version: str) -> tuple[int, apply.Hunk]:
     """The number and hunk of the release's diff that holds the worker loop's exception log."""
-    fix = next(f for f in apply.read_bundle() for state in [apply.fingerprint(apply.split_lines(release_bytes(version).decode()), f)] if state)
+    lines = apply.split_lines(release_bytes(version).decode())
+    fix = next(f for f in apply.read_bundle() if apply.fingerprint(lines, f))
     return next((n, h) for n, h in enumerate(fix.hunks, 1) if LOOP_LINE.decode() in h.before)
 
 
@@ -310,7 +311,10 @@ def test_cached_bytecode_is_removed(make_tree):
     assert not os.path.exists(pyc) and not os.path.exists(other_python)
 
 
-UNCHECKED = "import py_compile, sys; py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+UNCHECKED = (
+    "import py_compile, sys;"
+    "py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+)
 
 
 def run_apply(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -528,7 +532,8 @@ BAD_BUNDLES = {
     "no-header": ("0.30.0", "v0.30.0.diff", lambda t: t.partition("\n")[2], "v0.30.0.diff does not start with"),
     "empty": ("0.30.0", "empty.diff", lambda t: "", "empty.diff does not start with"),
     "garbage": ("0.30.0", "garbage.diff", lambda t: with_header("@@ this is not a diff\n+\n"), "must change"),
-    "other-file": ("0.30.0", "other-file.diff", lambda t: with_header("--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n"), "must change"),
+    "other-file": ("0.30.0", "other-file.diff",
+                   lambda t: with_header("--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n"), "must change"),
     "no-context": ("0.30.0", "no-context.diff", lambda t: with_header(NO_CONTEXT), "no-context.diff hunk 1 has no context lines"),
     # Two diffs for one release: which one is meant is the bundle's to say.
     "two-diffs-fit": ("0.30.0", "v0.30.0-copy.diff", lambda t: (Path(apply.PATCHES_DIR) / "v0.30.0.diff").read_text(),
@@ -610,7 +615,8 @@ def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):
     root = make_tree("0.30.0")
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, APPLY, "--root", root], stdout=full, stderr=subprocess.PIPE, text=True)
-        check = subprocess.run([sys.executable, APPLY, "--root", root, "--check"], stdout=full, stderr=subprocess.PIPE, text=True)
+        check = subprocess.run([sys.executable, APPLY, "--root", root, "--check"], stdout=full,
+                               stderr=subprocess.PIPE, text=True)
     assert done.returncode == 0, "the file was written, and the code says so"
     assert read(target(root)) == patched_bytes("0.30.0", tmp_path)
     assert done.stderr.startswith("apply.py: cannot print the report:") and len(done.stderr.splitlines()) == 1
