@@ -8,6 +8,12 @@ rank0_only flag), bound to a stand-in worker process and fed from a fake
 broadcast queue, one child Python process per case: the fix ends the process,
 so a case cannot run in the test's own.
 
+The executor's worker monitor (MultiprocExecutor.start_worker_monitor) is taken
+the same way and run on a stand-in executor whose workers are real processes:
+when one dies, the monitor must end its peers before it calls shutdown(), which
+would otherwise wait seconds for a peer stuck in a collective before it
+releases the engine.
+
 Where the release has parallel_config.enable_fault_tolerance (0.27.0 on), the
 fix must keep the release's behaviour with it on; both settings are run. Whether
 the release has it: $RANK_EXCEPTION_FATAL_FAULT_TOLERANCE (yes/no, as
@@ -27,9 +33,11 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 import unittest
 
@@ -162,6 +170,20 @@ def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
     return namespace["WorkerProc"], cls
 
 
+def extract_worker_monitor(path: str):
+    """MultiprocExecutor.start_worker_monitor from the file, as a plain function."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MultiprocExecutor"]
+    [function] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "start_worker_monitor"]
+    strip_annotations(function)
+    module = ast.Module(body=[*stdlib_imports(tree), function], type_ignores=[])
+    ast.fix_missing_locations(module)
+    namespace = {"__name__": "multiproc_executor_under_test", "logger": logging.getLogger(LOGGER_NAME)}
+    exec(compile(module, path, "exec"), namespace)
+    return namespace["start_worker_monitor"]
+
+
 # --- the child process: one case ---------------------------------------------
 
 
@@ -233,6 +255,8 @@ def run_child(path: str, case: dict) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
     logging.getLogger(LOGGER_NAME).addHandler(handler)
+    if case.get("monitor"):
+        return run_monitor(path, case)
 
     worker_proc_type, cls = extract_worker_proc(path)
     if not hasattr(worker_proc_type, "ResponseStatus"):  # a nested Enum, not extracted
@@ -273,6 +297,57 @@ def run_child(path: str, case: dict) -> None:
         if case.get("blocking_teardown"):
             # worker_main's finally: worker.shutdown() can wait forever on peers.
             threading.Event().wait()
+
+
+def exits_with_status_1() -> None:
+    time.sleep(0.3)  # the monitor is waiting by then
+    os._exit(1)
+
+
+def stuck_in_a_collective() -> None:
+    # A rank waiting in a collective for a peer that died never returns to Python:
+    # SIGTERM does not reach it (NCCL and HCCL wait so).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    while True:
+        time.sleep(3600)
+
+
+class StandInExecutor:
+    """What start_worker_monitor reads and calls on a MultiprocExecutor."""
+
+    def __init__(self, workers, fault_tolerance):
+        self.workers = workers
+        self.is_failed = False
+        self.shutting_down = False
+        setting = {} if fault_tolerance in (None, "absent") else {"enable_fault_tolerance": fault_tolerance}
+        self.parallel_config = types.SimpleNamespace(**setting)
+        self.called_back = threading.Event()
+        self.failure_callback = self.called_back.set
+
+    def shutdown(self):
+        # SIGKILL lands a moment after kill() returns; vLLM's shutdown() polls
+        # every 0.1 s, so one poll's time is allowed.
+        time.sleep(0.1)
+        emit(peers_alive_at_shutdown=[w.proc.is_alive() for w in self.workers[:-1]])
+
+
+def run_monitor(path: str, case: dict) -> None:
+    import multiprocessing
+
+    start_worker_monitor = extract_worker_monitor(path)
+    context = multiprocessing.get_context("fork")
+    peer = context.Process(target=stuck_in_a_collective, name="StuckPeer", daemon=True)
+    dying = context.Process(target=exits_with_status_1, name="DyingWorker", daemon=True)
+    peer.start()
+    dying.start()
+    executor = StandInExecutor(
+        [types.SimpleNamespace(proc=peer), types.SimpleNamespace(proc=dying)], case.get("fault_tolerance")
+    )
+    try:
+        start_worker_monitor(executor)  # its thread waits for a worker to die
+        emit(called_back=executor.called_back.wait(CASE_TIMEOUT_SECONDS - 1), is_failed=executor.is_failed)
+    finally:
+        peer.kill()
 
 
 # --- the cases ---------------------------------------------------------------
@@ -331,12 +406,13 @@ class WorkerLoopTest(unittest.TestCase):
         # A call answered by one rank other than 0, where the release can say so.
         cls.other_output_rank = 0 if uses_rank0_only(cls.worker_proc) else 1
 
-    def run_case(self, rank, calls, *, fault_tolerance=None, blocking_teardown=False):
+    def run_case(self, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False):
         case = {
             "rank": rank,
             "calls": calls,
             "fault_tolerance": fault_tolerance,
             "blocking_teardown": blocking_teardown,
+            "monitor": monitor,
         }
         command = [sys.executable, "-I", os.path.abspath(__file__), "--child", self.target, json.dumps(case)]
         try:
@@ -480,6 +556,25 @@ class WorkerLoopTest(unittest.TestCase):
         self.assertEqual(on.ran, ["execute_model", "sample_tokens"])
         self.assertEqual(on.replies, [])
         self.assertTrue(on.drained)
+
+    def assert_monitor(self, fault_tolerance, *, ends_peers):
+        outcome = self.run_case(monitor=True, fault_tolerance=fault_tolerance)
+        self.assertFalse(outcome.timed_out, str(outcome))
+        self.assertEqual(outcome.returncode, 0, str(outcome))
+        [at_shutdown] = [e["peers_alive_at_shutdown"] for e in outcome.events if "peers_alive_at_shutdown" in e] or [None]
+        [after] = [e for e in outcome.events if "called_back" in e] or [{}]
+        self.assertEqual(after, {"called_back": True, "is_failed": True}, f"the monitor must fail the executor: {outcome}")
+        if ends_peers:
+            self.assertEqual(at_shutdown, [False], f"the stuck peer must be ended before shutdown(): {outcome}")
+        else:
+            self.assertEqual(at_shutdown, [True], f"the release's order is kept: {outcome}")
+
+    def test_worker_monitor_ends_the_peers_before_shutdown(self):
+        if not release_has_fault_tolerance(self.target):
+            self.assert_monitor("absent", ends_peers=True)
+            return
+        self.assert_monitor(False, ends_peers=True)
+        self.assert_monitor(True, ends_peers=False)  # fault tolerance: the release's order
 
 
 if __name__ == "__main__":

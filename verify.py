@@ -12,7 +12,10 @@ no model. It then checks, one line each:
   2. a failing call with output rank 0 gets rank 0's FAILURE reply, rank 1 exits
      with status 1 and sends nothing, and rank 0 keeps serving;
   3. the package's real MultiprocExecutor.start_worker_monitor, on a stand-in
-     executor, marks it failed and calls shutdown and the failure callback.
+     executor, marks it failed and calls shutdown and the failure callback;
+  4. and it ends the dead worker's peer at once, before shutdown(), when that
+     peer is stuck as in a collective with the dead rank (deaf to SIGTERM):
+     shutdown() would wait for it before it releases the engine.
 """
 from __future__ import annotations
 
@@ -111,13 +114,25 @@ def serve(rank: int, conn) -> None:
     proc.worker_busy_loop()
 
 
+def stuck_peer() -> None:
+    """A rank blocked in a collective with a peer that died: it never returns to
+    Python, so SIGTERM does not reach it (on accelerators NCCL and HCCL wait so)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    while True:
+        time.sleep(3600)
+
+
 class StandInExecutor:
     """What start_worker_monitor reads and calls on a MultiprocExecutor."""
 
     def __init__(self, workers) -> None:
         import threading
+        import types
 
         self.workers = workers
+        # The fault-tolerance setting, off by default, on releases that have it.
+        self.parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
+        self.peers_alive_at_shutdown: list[bool] | None = None
         self.is_failed = False
         self.shutting_down = False
         self.shutdown_called = False
@@ -127,9 +142,13 @@ class StandInExecutor:
 
     def shutdown(self) -> None:
         self.shutdown_called = True
+        self.failed_at = time.monotonic()
+        # A SIGKILL takes effect in the kernel a moment after kill() returns;
+        # vLLM's shutdown() polls every 0.1 s, so allow one such poll.
+        time.sleep(0.1)
+        self.peers_alive_at_shutdown = [w.proc.is_alive() for w in self.workers]
 
     def on_failure(self) -> None:
-        self.failed_at = time.monotonic()
         self.callback_fired.set()
 
 
@@ -156,6 +175,8 @@ def harness(path: str) -> int:
     resource_tracker.ensure_running()
     context = multiprocessing.get_context("fork")  # the workers reuse this import
     pipes, procs = [], []
+    peer = context.Process(target=stuck_peer, name="VerifyStuckPeer", daemon=True)
+    peer.start()
     for rank in range(2):
         parent_end, child_end = context.Pipe()
         proc = context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
@@ -192,7 +213,9 @@ def harness(path: str) -> int:
         for response in responses:
             response.wait_until_ready()
 
-        executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in procs])
+        # The monitor watches rank 1 and a peer stuck in a collective with it; rank 0
+        # stays outside so that it can show that it keeps serving.
+        executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (peer, procs[1])])
         multiproc_executor.MultiprocExecutor.start_worker_monitor(executor)
 
         broadcast.enqueue(("execute_model", (None,), {}, None))
@@ -237,8 +260,14 @@ def harness(path: str) -> int:
             "the worker monitor marks the executor failed, calls shutdown and the failure callback",
         ):
             print(f"ok   {executor.failed_at - started:.2f}s from the failing call to the monitor firing")
+        peer_ended = executor.peers_alive_at_shutdown == [False, False]
+        check(
+            peer_ended,
+            "the monitor ends the dead worker's stuck peer before shutdown(), which would wait for it"
+            + ("" if peer_ended or executor.peers_alive_at_shutdown is None else " (still alive then)"),
+        )
     finally:
-        for proc in procs:
+        for proc in (*procs, peer):
             if proc.is_alive():
                 proc.kill()
             proc.join(STEP_TIMEOUT_SECONDS)

@@ -4,9 +4,9 @@
 
 apply.py fingerprints a release by finding each hunk's pre-image exactly. Three
 lines of context would let a release whose changed function differs elsewhere
-pass as a match, so the context is widened (symmetrically: GNU patch reads
-uneven context as "anchor at the end of the file") until every hunk carries the
-whole function it changes, decorators included. The first line is the sha256
+pass as a match, so each hunk's context is widened (symmetrically: GNU patch
+reads uneven context as "anchor at the end of the file") until it carries the
+whole function it changes, decorators included, and no further. The first line is the sha256
 of the rest, which apply.py checks.
 
 To regenerate the bundle's diff for a release after editing its copy (kept
@@ -35,22 +35,59 @@ def function_spans(source: str) -> list[tuple[int, int]]:
     return spans
 
 
-def context_covering_functions(old: str, new: str) -> int:
-    old_lines, new_lines = old.splitlines(), new.splitlines()
-    spans = function_spans(old)
-    context = 3
+def needed_context(i1: int, i2: int, spans: Sequence[tuple[int, int]]) -> int:
+    """Lines of context on each side for a change of old lines i1:i2 to carry its function."""
+    # A pure insertion sits after old line i1; a replacement starts at i1 + 1.
+    anchor = i1 if i1 == i2 else i1 + 1
+    enclosing = [s for s in spans if s[0] <= anchor <= s[1]]
+    if not enclosing:
+        return 3
+    first, last = max(enclosing)  # the innermost starts last
+    return max(3, i1 - first + 1, last - i2)
+
+
+def hunk_groups(old_lines: list[str], new_lines: list[str], spans) -> list[tuple[list, int]]:
+    """The changes grouped into hunks, each with its own context: (opcodes, context).
+
+    Each hunk gets the context its own functions need, not the widest any hunk
+    needs: context reaching into neighbouring functions would tie the diff to
+    releases whose neighbours are the same too. Hunks whose windows meet merge,
+    and take the larger context, which still covers each change's function."""
     matcher = difflib.SequenceMatcher(None, old_lines, new_lines, autojunk=False)
-    for tag, i1, i2, _, _ in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        # A pure insertion sits after old line i1; a replacement starts at i1 + 1.
-        anchor = i1 if i1 == i2 else i1 + 1
-        enclosing = [s for s in spans if s[0] <= anchor <= s[1]]
-        if not enclosing:
-            continue
-        first, last = max(enclosing)  # the innermost starts last
-        context = max(context, i1 - first + 1, last - i2)
-    return context
+    groups = [([op], needed_context(op[1], op[2], spans)) for op in matcher.get_opcodes() if op[0] != "equal"]
+    merged = True
+    while merged:
+        merged = False
+        for k in range(len(groups) - 1):
+            (ops, context), (next_ops, next_context) = groups[k], groups[k + 1]
+            if ops[-1][2] + context >= next_ops[0][1] - next_context:
+                groups[k : k + 2] = [(ops + next_ops, max(context, next_context))]
+                merged = True
+                break
+    return groups
+
+
+def unified_hunk(old_lines: list[str], new_lines: list[str], ops: list, context: int) -> str:
+    start = max(0, ops[0][1] - context)
+    end = min(len(old_lines), ops[-1][2] + context)
+    new_start = ops[0][3] - (ops[0][1] - start)
+    new_end = ops[-1][4] + (end - ops[-1][2])
+    lines = [f"@@ -{hunk_range(start, end)} +{hunk_range(new_start, new_end)} @@\n"]
+    at = start
+    for _, i1, i2, j1, j2 in ops:
+        lines += [" " + line for line in old_lines[at:i1]]
+        lines += ["-" + line for line in old_lines[i1:i2]]
+        lines += ["+" + line for line in new_lines[j1:j2]]
+        at = i2
+    lines += [" " + line for line in old_lines[at:end]]
+    return "".join(lines)
+
+
+def hunk_range(start: int, end: int) -> str:
+    # As difflib writes it: "first,count" with 1-based first; an empty range names the line before.
+    length = end - start
+    first = start + 1 if length else start
+    return str(first) if length == 1 else f"{first},{length}"
 
 
 # The first line of every diff: apply.py refuses a diff whose lines below it no
@@ -60,15 +97,9 @@ HEADER = "# sha256 of the lines below: "
 
 
 def make_diff(old: str, new: str) -> str:
-    body = "".join(
-        difflib.unified_diff(
-            old.splitlines(keepends=True),
-            new.splitlines(keepends=True),
-            fromfile=f"a/{TARGET}",
-            tofile=f"b/{TARGET}",
-            n=context_covering_functions(old, new),
-        )
-    )
+    old_lines, new_lines = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    hunks = [unified_hunk(old_lines, new_lines, ops, c) for ops, c in hunk_groups(old_lines, new_lines, function_spans(old))]
+    body = f"--- a/{TARGET}\n+++ b/{TARGET}\n" + "".join(hunks)
     return f"{HEADER}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
 
 
