@@ -52,6 +52,19 @@ def test_table_and_bundle_agree():
         assert TABLE_ROWS[diff[1:-len(".diff")]].diff == diff, diff
 
 
+def test_readme_lists_what_the_table_says():
+    """README's release table, the one operators read, names each release's diff as the table does."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    section = readme[readme.index("## Releases") :]
+    section = section[: section.index("\n## ", 1)]
+    listed = {}
+    for row in re.findall(r"^\| (\d[^|]*) \| `patches/(v[^`]+\.diff)`", section, re.M):
+        for version in row[0].split(", "):
+            listed[version] = row[1]
+    assert listed == {version: release.diff for version, release in TABLE_ROWS.items()}
+
+
 @pytest.mark.parametrize("version", RELEASES)
 def test_release_is_fixed_and_proven(version, make_tree, capsys):
     root = make_tree(version)
