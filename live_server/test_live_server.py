@@ -128,6 +128,8 @@ def test_fault_on_a_live_server(installed, state, fault):
     assert t.health_down is not None, t.as_dict()
     assert t.gone is not None, t.as_dict()
     assert server.orphans == [], f"processes outlived the server: {server.orphans}"
+    # vLLM's own choice, which README's restart-policy note rests on.
+    assert t.server_status == 0, t.as_dict()
 
 
 def test_revert_gives_back_the_wheels_bytes(installed):
