@@ -351,8 +351,16 @@ def closest_difference(lines: Sequence[str], fixes: Sequence[Fix]) -> str:
         # Lines of the file before or after the block are not part of the difference.
         if tag == "equal" or (tag == "delete" and j1 in (0, len(block))):
             continue
-        expected = repr(block[j1]) if j1 < len(block) else "(end of the hunk)"
-        found = repr(region[i1]) if i1 < len(region) else "(end of file)"
+        # A line the file lacks, or has in excess, is named as such: quoting the lines on
+        # either side of the gap can print two identical lines (two blank lines, say).
+        if tag == "delete":
+            expected = "(no line here)"
+        else:
+            expected = repr(block[j1]) if j1 < len(block) else "(end of the hunk)"
+        if tag == "insert":
+            found = "(missing)"
+        else:
+            found = repr(region[i1]) if i1 < len(region) else "(end of file)"
         return (
             f"closest: {fix.name} hunk {number} ({side} text), line {start + i1 + 1}:\n"
             f"    expected: {expected}\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import py_compile
 import random
 import resource
@@ -212,7 +213,12 @@ DRIFTS = {
     "line-added": ("0.30.0", lambda d: d.replace(b"            output = func(*args, **kwargs)\n",
                                                  b"            output = func(*args, **kwargs)\n            print(output)\n"),
                    lambda: [f"closest: v0.30.0.diff hunk {loop_hunk('0.30.0')[0]} (release text), line 1048:\n"
-                            "    expected: '\\n'\n    found:    '            print(output)\\n'"]),
+                            "    expected: (no line here)\n    found:    '            print(output)\\n'"]),
+    # One blank line fewer: the lines on either side of the gap may be alike, so the gap is named.
+    "blank-line-removed": ("0.30.0", lambda d: d.replace(b"            output = func(*args, **kwargs)\n\n",
+                                                         b"            output = func(*args, **kwargs)\n"),
+                           lambda: [f"closest: v0.30.0.diff hunk {loop_hunk('0.30.0')[0]} (release text), line 1048:\n"
+                                    "    expected: '\\n'\n    found:    (missing)"]),
     "nul-bytes": ("0.30.0", lambda d: d + b"\0\0\0", "the file holds NUL bytes"),
     # A copy of the function elsewhere: which one runs is a guess, and a rewrite would leave the other.
     "release-and-fixed-text": ("0.30.0", with_a_copy("after"), both_stand),
@@ -237,6 +243,9 @@ def test_drifted_source_is_never_written(case, make_tree, capsys):
         assert read(path) == drifted
         message = capsys.readouterr().err
         assert path in message and all(reason in message for reason in reasons), message
+        expected = re.findall(r"^    expected: (.*)$", message, re.M)
+        found = re.findall(r"^    found:    (.*)$", message, re.M)
+        assert expected != found or not expected, f"a difference that prints as none: {message}"
         assert "tried: " + ", ".join(fix.name for fix in apply.read_bundle()) in message
         assert hashlib.sha256(drifted).hexdigest() in message
     assert leftovers(root) == []
