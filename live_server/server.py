@@ -22,11 +22,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAULT_PLUGIN = os.path.join(HERE, "fault_plugin")
 PROMPT = "w5 w6 w7 w8"
+# Unpatched, a silent failure lasts until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s);
+# 20 s of it is enough to see. Patched, the server must be gone well within 60 s.
+WATCH_SECONDS = {"release": 20.0, "patched": 60.0}
 ORPHAN_GRACE_SECONDS = 5  # after the server exits, its group must be empty by then
 STARTUP_TIMEOUT_SECONDS = 300  # 22-60 s seen on a 2-core machine, more while it is busy
 
 # Lines the timeline is read from.
-INJECTED = re.compile(r"rank_fault: injected failure on rank (\d+)")
 DROPPED = re.compile(r"WorkerProc hit an exception\.")
 FIX_EXIT = re.compile(r"Rank (\d+) failed (\S+), whose result only rank (\d+) returns: exiting with status 1")
 CHILD_EXIT = r"rank_fault: pid {pid} (exited with status|was killed by signal) (\d+)"
@@ -269,7 +271,7 @@ class Timeline:
         return self.answer[0] == 200 and self.answer[1] == self.reference
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items()}
+        return dict(vars(self))
 
 
 def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:
@@ -295,6 +297,17 @@ def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:
     worker.join(watch_seconds + 5)
     answer, answered_at = result[0] if result else ((None, "no answer"), time.time())
     return Timeline(server, reference, answer, answered_at)
+
+
+def fault_on_a_new_server(python: str, model: str, workdir: str, fault: str, watch_seconds: float):
+    """Start a server, run one fault on it (run_fault) and end it: (Timeline, the stopped Server)."""
+    server = Server(python, model, workdir)
+    server.start()
+    try:
+        server.wait_ready()
+        return run_fault(server, fault, watch_seconds), server
+    finally:
+        server.stop()
 
 
 def group_members(pgid: int) -> list[str]:

@@ -25,7 +25,13 @@ sys.path.insert(0, ROOT)
 
 from conftest import release_bytes  # noqa: E402
 from fetch_release import cache_dir  # noqa: E402
-from live_server.server import Server, make_model, python_of, run_fault, shm_entries  # noqa: E402
+from live_server.server import (  # noqa: E402
+    WATCH_SECONDS,
+    fault_on_a_new_server,
+    make_model,
+    python_of,
+    shm_entries,
+)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 VERSION = "0.30.0"
@@ -34,17 +40,16 @@ PYTHON = python_of(VENV)
 # RANK:POINT (fault_plugin/rank_fault.py); "+" joins two. The last one is a rank
 # failing while its peer hangs in the collective, as peers do on accelerators.
 FAULTS = ["1:start", "1:forward", "1:sample", "0:start", "1:start+0:hang"]
-# Unpatched, a silent failure lasts until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s);
-# 20 s of it is enough to see. Patched, the server must be gone well within 60 s.
-WATCH_SECONDS = {"release": 20.0, "patched": 60.0}
 
 pytestmark = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: scripts/test makes it")
 
 
 def apply(*args: str) -> dict:
-    """apply.py with the server's Python, as an operator runs it on the node."""
+    """apply.py with the server's Python, as an operator runs it on the node: on the
+    vllm that Python imports, whatever tree GAUDI_FIXES_ROOT names for the other tests."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
     done = subprocess.run(
-        [PYTHON, os.path.join(ROOT, "apply.py"), "--json", *args], capture_output=True, text=True
+        [PYTHON, os.path.join(ROOT, "apply.py"), "--json", *args], env=env, cwd="/", capture_output=True, text=True
     )
     report = json.loads(done.stdout)
     assert done.returncode == report["exit_code"], done
@@ -95,14 +100,8 @@ def test_fault_on_a_live_server(installed, state, fault):
     assert apply("--check")["state"] == ("applied" if state == "patched" else "not-applied")
 
     shm_before = shm_entries()
-    server = Server(PYTHON, model, tempfile.mkdtemp(dir=work))
-    server.start()
-    try:
-        server.wait_ready()
-        t = run_fault(server, fault, WATCH_SECONDS[state])
-    finally:
-        server.stop()
-        log = server.tail(200)
+    t, server = fault_on_a_new_server(PYTHON, model, tempfile.mkdtemp(dir=work), fault, WATCH_SECONDS[state])
+    log = server.tail(200)
     assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
 
     assert t.fired, f"the fault did not fire:\n{log}"

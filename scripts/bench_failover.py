@@ -28,15 +28,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from fetch_release import cache_dir  # noqa: E402
-from live_server.server import Server, make_model, python_of, run_fault  # noqa: E402
+from live_server.server import WATCH_SECONDS, fault_on_a_new_server, make_model, python_of  # noqa: E402
 
 DEFAULT_FAULTS = ("1:forward", "1:start+0:hang", "0:start")
-WATCH_SECONDS = {"release": 20.0, "patched": 60.0}
 
 
 def set_state(python: str, state: str) -> None:
+    """Apply or revert with the server's Python, on the vllm it imports (not $GAUDI_FIXES_ROOT)."""
     args = [] if state == "patched" else ["--revert"]
-    subprocess.run([python, os.path.join(ROOT, "apply.py"), *args], check=True, stdout=subprocess.DEVNULL)
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
+    subprocess.run([python, os.path.join(ROOT, "apply.py"), *args], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
 def status(exit_status: str | None) -> str:
@@ -82,13 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 set_state(python, state)
                 for fault in faults or DEFAULT_FAULTS:
                     workdir = tempfile.mkdtemp(dir=work)
-                    server = Server(python, model, workdir)
-                    server.start()
-                    try:
-                        server.wait_ready()
-                        t = run_fault(server, fault, WATCH_SECONDS[state])
-                    finally:
-                        server.stop()
+                    t, _ = fault_on_a_new_server(python, model, workdir, fault, WATCH_SECONDS[state])
                     answer = ("correct" if t.correct_answer else "WRONG" if t.wrong_answer
                               else f"none ({t.answer[0] or 'no reply'} at {t.answered:.1f} s)")
                     print(f"{state:8} {fault:14} {cell(t.dropped):>8} {cell(t.fix_exit):>6} "
