@@ -20,6 +20,7 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+APPLY = os.path.join(os.path.dirname(HERE), "apply.py")
 FAULT_PLUGIN = os.path.join(HERE, "fault_plugin")
 PROMPT = "w5 w6 w7 w8"
 # Unpatched, a silent failure lasts until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s);
@@ -43,6 +44,13 @@ def free_port() -> int:
 
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
+    """apply.py with the server's Python, as an operator runs it on the node: on the vllm
+    that Python imports, not a tree that GAUDI_FIXES_ROOT or PYTHONPATH names for other tests."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
+    return subprocess.run([python, APPLY, *args], env=env, cwd="/", capture_output=True, text=True)
 
 
 def make_model(python: str, directory: str) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import stat
-import subprocess
 import sys
 import tempfile
 
@@ -30,6 +29,7 @@ from live_server.server import (  # noqa: E402
     fault_on_a_new_server,
     make_model,
     python_of,
+    run_apply,
     shm_entries,
 )
 
@@ -45,12 +45,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: 
 
 
 def apply(*args: str) -> dict:
-    """apply.py with the server's Python, as an operator runs it on the node: on the
-    vllm that Python imports, whatever tree GAUDI_FIXES_ROOT names for the other tests."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
-    done = subprocess.run(
-        [PYTHON, os.path.join(ROOT, "apply.py"), "--json", *args], env=env, cwd="/", capture_output=True, text=True
-    )
+    """apply.py --json with the server's Python, on its install, as an operator runs it."""
+    done = run_apply(PYTHON, "--json", *args)
     report = json.loads(done.stdout)
     assert done.returncode == report["exit_code"], done
     return report

@@ -18,7 +18,6 @@ One server at a time; about a minute per row on a 2-core machine.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -28,16 +27,21 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from fetch_release import cache_dir  # noqa: E402
-from live_server.server import WATCH_SECONDS, fault_on_a_new_server, make_model, python_of  # noqa: E402
+from live_server.server import (  # noqa: E402
+    WATCH_SECONDS,
+    fault_on_a_new_server,
+    make_model,
+    python_of,
+    run_apply,
+)
 
 DEFAULT_FAULTS = ("1:forward", "1:start+0:hang", "0:start")
 
 
 def set_state(python: str, state: str) -> None:
-    """Apply or revert with the server's Python, on the vllm it imports (not $GAUDI_FIXES_ROOT)."""
-    args = [] if state == "patched" else ["--revert"]
-    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
-    subprocess.run([python, os.path.join(ROOT, "apply.py"), *args], env=env, check=True, stdout=subprocess.DEVNULL)
+    done = run_apply(python, *([] if state == "patched" else ["--revert"]))
+    if done.returncode != 0:
+        raise SystemExit(f"bench_failover.py: apply.py {state}: exit {done.returncode}: {done.stderr.strip()}")
 
 
 def status(exit_status: str | None) -> str:

@@ -6,8 +6,8 @@ apply.py fingerprints a release by finding each hunk's pre-image exactly. Three
 lines of context would let a release whose changed function differs elsewhere
 pass as a match, so each hunk's context is widened (symmetrically: GNU patch
 reads uneven context as "anchor at the end of the file") until it carries the
-whole function it changes, decorators included, and no further. The first line is the sha256
-of the rest, which apply.py checks.
+whole function it changes, decorators included, and no further. The first line
+is the sha256 of the rest, which apply.py checks.
 
 To regenerate the bundle's diff for a release after editing its copy (kept
 outside the repo, e.g. in ~/.cache/rank-exception-fatal/edited/vX/):
@@ -98,7 +98,8 @@ HEADER = "# sha256 of the lines below: "
 
 def make_diff(old: str, new: str) -> str:
     old_lines, new_lines = old.splitlines(keepends=True), new.splitlines(keepends=True)
-    hunks = [unified_hunk(old_lines, new_lines, ops, c) for ops, c in hunk_groups(old_lines, new_lines, function_spans(old))]
+    groups = hunk_groups(old_lines, new_lines, function_spans(old))
+    hunks = [unified_hunk(old_lines, new_lines, ops, context) for ops, context in groups]
     body = f"--- a/{TARGET}\n+++ b/{TARGET}\n" + "".join(hunks)
     return f"{HEADER}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
 
