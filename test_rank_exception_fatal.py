@@ -97,6 +97,12 @@ def release_has_fault_tolerance(target: str) -> bool:
         return "enable_fault_tolerance" in f.read()
 
 
+def has_sample_tokens(target: str) -> bool:
+    """Whether the executor sends sample_tokens after execute_model (0.11.1 and later)."""
+    with open(target, encoding="utf-8") as f:
+        return '"sample_tokens"' in f.read()
+
+
 def uses_rank0_only(cls: ast.ClassDef) -> bool:
     """0.8.5 sends a rank0_only flag where later releases send the output rank."""
     return any(isinstance(n, ast.Name) and n.id == "rank0_only" for n in ast.walk(cls))
@@ -465,16 +471,16 @@ class WorkerLoopTest(unittest.TestCase):
             rank,
             [
                 {"method": "execute_model", "output_rank": rank},
-                {"method": "sample_tokens", "output_rank": rank},
+                {"method": "pickled_step", "output_rank": rank, "pickled": True},
             ],
         )
         self.assertEqual(outcome.returncode, 0, str(outcome))
-        self.assertEqual(outcome.ran, ["execute_model", "sample_tokens"])
+        self.assertEqual(outcome.ran, ["execute_model", "pickled_step"])
         self.assertEqual(
             outcome.replies,
             [
                 {"reply": "failure", "message": "device out of memory during prefill"},
-                {"reply": "success", "value": "token-7"},
+                {"reply": "success", "value": "pickled-ok"},
             ],
         )
         self.assertTrue(outcome.drained)
@@ -485,14 +491,50 @@ class WorkerLoopTest(unittest.TestCase):
             3,
             [
                 {"method": "execute_model", "output_rank": None},
-                {"method": "sample_tokens", "output_rank": None},
+                {"method": "pickled_step", "output_rank": None, "pickled": True},
             ],
         )
         self.assertEqual(outcome.returncode, 0, str(outcome))
-        self.assertEqual(outcome.ran, ["execute_model", "sample_tokens"])
+        self.assertEqual(outcome.ran, ["execute_model", "pickled_step"])
         self.assertEqual([r["reply"] for r in outcome.replies], ["failure", "success"])
         self.assertTrue(outcome.drained)
         self.assertEqual(outcome.error_lines(), [])
+
+    def assert_step_fails_its_sampling(self, outcome, rank):
+        """A rank that returned its execute_model failure answers that step's
+        sample_tokens with it, without running the runner's, then serves on."""
+        self.assertEqual(outcome.returncode, 0, str(outcome))
+        self.assertEqual(outcome.ran, ["execute_model", "sample_tokens"], f"a step that never ran is not sampled: {outcome}")
+        [exec_reply, sample_reply, next_sample] = outcome.replies or [None, None, None]
+        self.assertEqual(exec_reply, {"reply": "failure", "message": "device out of memory during prefill"})
+        self.assertEqual(sample_reply["reply"], "failure", str(outcome))
+        self.assertIn("device out of memory during prefill", sample_reply["message"], "the worker's own error")
+        self.assertRegex(sample_reply["message"], rf"\bexecute_model\b.*\brank {rank}\b")
+        self.assertEqual(next_sample, {"reply": "success", "value": "token-7"}, "only that step's sampling fails")
+        self.assertTrue(outcome.drained)
+        self.assertEqual(outcome.error_lines(), [])
+
+    def step_calls(self, output_rank):
+        return [
+            {"method": "execute_model", "output_rank": output_rank},
+            {"method": "sample_tokens", "output_rank": output_rank},
+            {"method": "sample_tokens", "output_rank": output_rank},
+        ]
+
+    def test_output_rank_fails_the_steps_sampling(self):
+        # Async scheduling and pipeline parallelism read a step's execute_model
+        # reply only if sample_tokens returns None; vLLM's V1 runner returns an
+        # empty output for a step that never ran.
+        if not has_sample_tokens(self.target):
+            return  # before 0.11.1 execute_model returns the step's tokens itself
+        rank = self.other_output_rank
+        self.assert_step_fails_its_sampling(self.run_case(rank, self.step_calls(rank)), rank)
+
+    def test_all_rank_step_fails_its_sampling(self):
+        # With a KV or EC connector every rank replies to both calls.
+        if not has_sample_tokens(self.target):
+            return
+        self.assert_step_fails_its_sampling(self.run_case(3, self.step_calls(None)), 3)
 
     def test_successes_are_unchanged(self):
         calls = [
@@ -556,6 +598,10 @@ class WorkerLoopTest(unittest.TestCase):
         self.assertEqual(on.ran, ["execute_model", "sample_tokens"])
         self.assertEqual(on.replies, [])
         self.assertTrue(on.drained)
+        # ... and the output rank samples a failed step as the release does.
+        replying = self.run_case(0, self.step_calls(0)[:2], fault_tolerance=True)
+        self.assertEqual(replying.ran, ["execute_model", "sample_tokens"], str(replying))
+        self.assertEqual([r["reply"] for r in replying.replies], ["failure", "success"], str(replying))
 
     def assert_monitor(self, fault_tolerance, *, ends_peers):
         outcome = self.run_case(monitor=True, fault_tolerance=fault_tolerance)

@@ -23,6 +23,7 @@ from conftest import TARGET, release_bytes, release_tree
 import fetch_release
 from fetch_release import RELEASES, TABLE_ROWS
 from make_diff import make_diff
+from test_rank_exception_fatal import has_sample_tokens
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DIFFS = sorted(name for name in os.listdir(apply.PATCHES_DIR) if name.endswith(".diff"))
@@ -90,6 +91,10 @@ def test_release_is_fixed_and_proven(version, make_tree, capsys):
     # It fails on what the release does, not on a skip or an import error.
     assert re.search(r"^FAILED \(failures=\d+\)$", pristine.stderr, re.M), pristine.stderr
     assert re.search(r"^test_failing_non_output_rank_exits .*\.\.\. FAIL$", pristine.stderr, re.M), pristine.stderr
+    if has_sample_tokens(path):
+        # The output rank's failed step is sampled as if it had run (async scheduling, PP).
+        assert re.search(r"^test_output_rank_fails_the_steps_sampling .*\.\.\. FAIL$", pristine.stderr, re.M)
+        assert re.search(r"^test_all_rank_step_fails_its_sampling .*\.\.\. FAIL$", pristine.stderr, re.M)
 
 
 @pytest.mark.parametrize("diff, version", DIFF_RELEASES)

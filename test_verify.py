@@ -52,6 +52,7 @@ def test_main_job_on_a_real_install(distribution, version):
     before = run_apply(python, "--verify")
     assert before.returncode == 7, before.stdout + before.stderr
     assert "FAIL rank 1 exits with status 1" in before.stdout
+    assert "FAIL a failed step's sample_tokens: both ranks reply execute_model's failure" in before.stdout
 
     applied = run_apply(python)
     assert applied.returncode == 0, applied.stderr
@@ -64,6 +65,7 @@ def test_main_job_on_a_real_install(distribution, version):
     assert not [line for line in lines if line.startswith("FAIL")], after.stdout
     for expected in (
         "ok   an all-rank call that fails: both ranks reply FAILURE and keep serving",
+        "ok   a failed step's sample_tokens: both ranks reply execute_model's failure, not an empty output",
         "ok   output rank 0 replies FAILURE to the failing call",
         "ok   rank 1 exits with status 1 (exit status: 1)",
         "ok   rank 1 sends nothing",

@@ -9,6 +9,9 @@ a stand-in model worker: execute_model raises, ping answers. No accelerator and
 no model. It then checks, one line each:
 
   1. an all-rank call that fails gets a FAILURE reply from both ranks, which keep serving;
+     where the release samples in a call of its own (0.11.1 on), that failed step's
+     sample_tokens gets execute_model's failure from both ranks, not an empty output
+     (with async scheduling or pipeline parallelism the engine reads only that reply);
   2. a failing call with output rank 0 gets rank 0's FAILURE reply, rank 1 exits
      with status 1 and sends nothing, and rank 0 keeps serving;
   3. the package's real MultiprocExecutor.start_worker_monitor, on a stand-in
@@ -90,6 +93,9 @@ class StandInModelWorker:
 
     def execute_model(self, scheduler_output):
         raise RuntimeError(f"stand-in execute_model failed on rank {self.rank}")
+
+    def sample_tokens(self, grammar_output):
+        return f"tokens from rank {self.rank}"
 
     def ping(self):
         return f"pong from rank {self.rank}"
@@ -220,6 +226,14 @@ def harness(path: str) -> int:
 
         broadcast.enqueue(("execute_model", (None,), {}, None))
         failed = [reply(0), reply(1)]
+        if hasattr(multiproc_executor.MultiprocExecutor, "sample_tokens"):
+            broadcast.enqueue(("sample_tokens", (None,), {}, None))
+            sampled = [reply(0), reply(1)]
+            check(
+                [r and r[0] for r in sampled] == [FAILURE, FAILURE]
+                and all(f"stand-in execute_model failed on rank {rank}" in str(r[1]) for rank, r in enumerate(sampled)),
+                "a failed step's sample_tokens: both ranks reply execute_model's failure, not an empty output",
+            )
         broadcast.enqueue(("ping", (), {}, None))
         pinged = [reply(0), reply(1)]
         check(
