@@ -63,11 +63,20 @@ def make_model(python: str, directory: str) -> None:
     )
 
 
-class Server:
-    """One `python -m vllm.entrypoints.openai.api_server` at TP=2 with the mp executor."""
+# How the two ranks split the model: "tp" (TP=2, the default deployment) or "pp"
+# (PP=2: the engine steps through its batch queue, as with async scheduling).
+LAYOUTS = {
+    "tp": ["--tensor-parallel-size", "2"],
+    "pp": ["--pipeline-parallel-size", "2"],
+}
 
-    def __init__(self, python: str, model: str, workdir: str) -> None:
+
+class Server:
+    """One `python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
+
+    def __init__(self, python: str, model: str, workdir: str, layout: str = "tp") -> None:
         self.python, self.model, self.workdir = python, model, workdir
+        self.layout = layout
         self.port = free_port()
         self.trigger = os.path.join(workdir, "fault")
         self.lines: list[tuple[float, str]] = []  # (time.time(), line) as each arrived
@@ -98,7 +107,7 @@ class Server:
         self.proc = subprocess.Popen(
             [
                 self.python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model, "--tensor-parallel-size", "2",
+                "--model", self.model, *LAYOUTS[self.layout],
                 "--distributed-executor-backend", "mp",
                 # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
                 "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
@@ -307,13 +316,32 @@ def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:
     return Timeline(server, reference, answer, answered_at)
 
 
-def fault_on_a_new_server(python: str, model: str, workdir: str, fault: str, watch_seconds: float):
+def fault_on_a_new_server(
+    python: str, model: str, workdir: str, fault: str, watch_seconds: float, layout: str = "tp"
+):
     """Start a server, run one fault on it (run_fault) and end it: (Timeline, the stopped Server)."""
-    server = Server(python, model, workdir)
+    server = Server(python, model, workdir, layout)
     server.start()
     try:
         server.wait_ready()
         return run_fault(server, fault, watch_seconds), server
+    finally:
+        server.stop()
+
+
+def first_request_on_a_new_server(python: str, model: str, workdir: str, layout: str, watch_seconds: float):
+    """Start a server, send it one request and watch it until it exits or watch_seconds
+    pass: ((status, text or error), the stopped Server). For a layout whose first
+    request meets a real failure in vLLM itself, no fault is injected."""
+    server = Server(python, model, workdir, layout)
+    server.start()
+    try:
+        server.wait_ready()
+        answer = server.complete(timeout=watch_seconds)
+        deadline = time.time() + watch_seconds
+        while server.exited_at is None and time.time() < deadline:
+            time.sleep(0.05)
+        return answer, server
     finally:
         server.stop()
 
