@@ -190,6 +190,40 @@ def extract_worker_monitor(path: str):
     return namespace["start_worker_monitor"]
 
 
+def extract_collective_rpc(path: str):
+    """MultiprocExecutor.collective_rpc and the FutureWrapper it returns, from the file
+    (0.11.1 on, where replies come through the executor's response_mqs)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MultiprocExecutor"]
+    [function] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "collective_rpc"]
+    strip_annotations(function)
+    definitions = [function]
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "FutureWrapper":
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef):
+                    strip_annotations(method)
+            definitions.insert(0, node)
+    module = ast.Module(body=[*stdlib_imports(tree), *definitions], type_ignores=[])
+    ast.fix_missing_locations(module)
+    namespace = {
+        "__name__": "multiproc_executor_under_test",
+        "logger": logging.getLogger(LOGGER_NAME),
+        "cloudpickle": pickle,
+        "WorkerProc": types.SimpleNamespace(ResponseStatus=ResponseStatus),
+        "KVConnectorOutput": type("KVConnectorOutput", (), {}),
+    }
+    exec(compile(module, path, "exec"), namespace)
+    return namespace["collective_rpc"]
+
+
+class ResponseStatus:
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+    FAILURE_WITH_KV_OUTPUT = "FAILURE_WITH_KV_OUTPUT"
+
+
 # --- the child process: one case ---------------------------------------------
 
 
@@ -621,6 +655,110 @@ class WorkerLoopTest(unittest.TestCase):
             return
         self.assert_monitor(False, ends_peers=True)
         self.assert_monitor(True, ends_peers=False)  # fault tolerance: the release's order
+
+
+class TimedResponseQueue:
+    """One rank's response queue: each reply can be read from its time on (seconds after
+    the call); a rank with no reply left is stuck, as in a collective with a dead peer."""
+
+    def __init__(self, *replies):
+        self.replies = list(replies)  # (seconds, (status, value))
+        self.started = time.monotonic()
+
+    def dequeue(self, timeout=None, cancel=None, indefinite=False):
+        if timeout is not None and timeout < 0:
+            timeout = 0
+        end = time.monotonic() + (CASE_TIMEOUT_SECONDS if timeout is None else timeout)
+        while True:
+            if self.replies and time.monotonic() - self.started >= self.replies[0][0]:
+                return self.replies.pop(0)[1]
+            if time.monotonic() >= end:
+                raise TimeoutError
+            time.sleep(0.005)
+
+
+class StandInAggregator:
+    """A KV or EC connector's aggregator: makes the call one that every rank answers."""
+
+    def aggregate(self, outputs, output_rank=0):
+        return list(outputs)
+
+
+class ExecutorReadTest(unittest.TestCase):
+    """The executor's read of a call that every rank answers, from the file's collective_rpc."""
+
+    @classmethod
+    def setUpClass(cls):
+        target = find_target()
+        if target is None:
+            raise unittest.SkipTest("no vLLM to test: set GAUDI_FIXES_ROOT or install vllm")
+        cls.target = target
+        with open(target, encoding="utf-8") as f:
+            source = f.read()
+        # 0.11.0 and older read each worker's reply through a thread pool: not changed.
+        cls.reads_response_mqs = "response_mqs" in source
+        cls.collective_rpc = staticmethod(extract_collective_rpc(target)) if cls.reads_response_mqs else None
+
+    def executor(self, *queues, fault_tolerance=False):
+        parallel_config = types.SimpleNamespace(enable_fault_tolerance=fault_tolerance)
+        return types.SimpleNamespace(
+            rpc_broadcast_mq=types.SimpleNamespace(enqueue=lambda request: None),
+            response_mqs=list(queues),
+            is_failed=False,
+            shutdown_event=threading.Event(),
+            futures_queue=__import__("collections").deque(),
+            parallel_config=parallel_config,
+            vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
+        )
+
+    def call(self, executor, method, timeout, aggregated=True):
+        extra = {"kv_output_aggregator": StandInAggregator()} if aggregated else {}
+        return self.collective_rpc(executor, method, timeout=timeout, args=(None,), unique_reply_rank=0, **extra)
+
+    def stuck_rank_0_failed_rank_1(self):
+        return (
+            TimedResponseQueue(),
+            TimedResponseQueue((0, (ResponseStatus.FAILURE, "rank 1: device out of memory"))),
+        )
+
+    def test_a_failed_step_does_not_wait_for_a_stuck_rank(self):
+        if not self.reads_response_mqs:
+            return
+        for method in ("execute_model", "sample_tokens"):
+            with self.subTest(method=method):
+                executor = self.executor(*self.stuck_rank_0_failed_rank_1())
+                with self.assertRaises(Exception) as raised:
+                    self.call(executor, method, timeout=2)
+                # Not "RPC call to execute_model timed out.": the worker's own error.
+                self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
+                self.assertIn("rank 1: device out of memory", str(raised.exception))
+
+    def test_replies_keep_rank_order_and_step(self):
+        if not self.reads_response_mqs:
+            return
+        success = ResponseStatus.SUCCESS
+        executor = self.executor(
+            TimedResponseQueue((0.3, (success, "rank 0, step 1")), (0.3, (success, "rank 0, step 2"))),
+            TimedResponseQueue((0, (success, "rank 1, step 1")), (0, (success, "rank 1, step 2"))),
+        )
+        self.assertEqual(self.call(executor, "execute_model", timeout=5), ["rank 0, step 1", "rank 1, step 1"])
+        self.assertEqual(self.call(executor, "execute_model", timeout=5), ["rank 0, step 2", "rank 1, step 2"])
+
+    def test_other_calls_and_fault_tolerance_keep_the_release_order(self):
+        # A failing utility call does not end the engine: its replies are read in rank
+        # order, as the release does. Under fault tolerance the engine handles a failed
+        # step itself, and reads every rank.
+        if not self.reads_response_mqs:
+            return
+        cases = [("check_health", False)]
+        if release_has_fault_tolerance(self.target):
+            cases.append(("execute_model", True))
+        for method, fault_tolerance in cases:
+            with self.subTest(method=method, fault_tolerance=fault_tolerance):
+                executor = self.executor(*self.stuck_rank_0_failed_rank_1(), fault_tolerance=fault_tolerance)
+                with self.assertRaises(TimeoutError):
+                    self.call(executor, method, timeout=0.5)
+
 
 
 if __name__ == "__main__":

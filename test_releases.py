@@ -95,6 +95,8 @@ def test_release_is_fixed_and_proven(version, make_tree, capsys):
         # The output rank's failed step is sampled as if it had run (async scheduling, PP).
         assert re.search(r"^test_output_rank_fails_the_steps_sampling .*\.\.\. FAIL$", pristine.stderr, re.M)
         assert re.search(r"^test_all_rank_step_fails_its_sampling .*\.\.\. FAIL$", pristine.stderr, re.M)
+        # A failed step that every rank answers waits for a rank stuck before it.
+        assert re.search(r"^FAIL: test_a_failed_step_does_not_wait_for_a_stuck_rank ", pristine.stderr, re.M)
 
 
 @pytest.mark.parametrize("diff, version", DIFF_RELEASES)
