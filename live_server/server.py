@@ -63,12 +63,22 @@ def make_model(python: str, directory: str) -> None:
     )
 
 
-# How the two ranks split the model: "tp" (TP=2, the default deployment) or "pp"
-# (PP=2: the engine steps through its batch queue, as with async scheduling).
-LAYOUTS = {
-    "tp": ["--tensor-parallel-size", "2"],
-    "pp": ["--pipeline-parallel-size", "2"],
-}
+def layout_args(layout: str, workdir: str) -> list[str]:
+    """How the two ranks split the model: "tp" (TP=2, the default deployment), "pp" (PP=2:
+    the engine steps through its batch queue, as with async scheduling), or "tp+kv"
+    (TP=2 with vLLM's ExampleConnector, which stores KV in a directory: every rank
+    replies to each step)."""
+    if layout == "pp":
+        return ["--pipeline-parallel-size", "2"]
+    args = ["--tensor-parallel-size", "2"]
+    if layout == "tp+kv":
+        connector = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": os.path.join(workdir, "kv")},
+        }
+        args += ["--kv-transfer-config", json.dumps(connector)]
+    return args
 
 
 class Server:
@@ -107,7 +117,7 @@ class Server:
         self.proc = subprocess.Popen(
             [
                 self.python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model, *LAYOUTS[self.layout],
+                "--model", self.model, *layout_args(self.layout, self.workdir),
                 "--distributed-executor-backend", "mp",
                 # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
                 "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",

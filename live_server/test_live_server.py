@@ -171,3 +171,33 @@ def test_output_rank_failure_under_pipeline_parallelism(installed, state):
         assert "KeyError" not in log, log
     assert server.exited_at is not None, "the server did not exit"
     assert server.orphans == [], f"processes outlived the server: {server.orphans}"
+
+
+@pytest.mark.parametrize("state", ["release", "patched"])
+def test_rank_1_failure_with_a_kv_connector(installed, state):
+    """With a KV connector every rank replies to each step: rank 1 returns its failure
+    instead of exiting, while rank 0, read first, waits in the forward's all-reduce."""
+    path, work, model = installed
+    report = apply() if state == "patched" else apply("--revert")
+    assert report["exit_code"] == 0, report
+
+    shm_before = shm_entries()
+    t, server = fault_on_a_new_server(
+        PYTHON, model, tempfile.mkdtemp(dir=work), "1:start", WATCH_SECONDS[state], layout="tp+kv"
+    )
+    log = server.tail(400)
+    assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
+    assert t.fired and t.dropped is not None, log
+    assert not t.wrong_answer, f"a wrong answer was served: {t.answer[1]!r}, not {t.reference!r}"
+    assert t.fix_exit is None, "a rank whose reply is read returns its failure; it does not exit"
+    if state == "release":
+        assert not t.correct_answer, t.as_dict()
+        assert t.health_down is None and t.gone is None, t.as_dict()
+        return
+    engine_errors = ENGINE_ERROR.findall(log)
+    assert engine_errors and engine_errors[-1].startswith(
+        "RuntimeError: Worker failed with error 'rank_fault: injected failure on rank 1 at start'"
+    ), log
+    assert t.health_down is not None and t.gone is not None, t.as_dict()
+    assert server.orphans == [], f"processes outlived the server: {server.orphans}"
+    assert t.server_status == 0, t.as_dict()
