@@ -29,6 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DIFFS = sorted(name for name in os.listdir(apply.PATCHES_DIR) if name.endswith(".diff"))
 # (diff, release) for every release in the table: each diff is checked on each of its releases.
 DIFF_RELEASES = [(release.diff, release.version) for release in TABLE_ROWS.values()]
+if os.environ.get("RANK_EXCEPTION_FATAL_RELEASES") == "named":
+    # scripts/test runs every release under one Python and, under the others, the release
+    # each diff is named after: what varies with Python is apply.py and the loop test's
+    # reading of the file, and each diff's shape is there once.
+    RELEASES = tuple(version for version in RELEASES if TABLE_ROWS[version].diff == f"v{version}.diff")
+    DIFF_RELEASES = [(diff, version) for diff, version in DIFF_RELEASES if version in RELEASES]
 
 
 def run_loop_test(root: str, version: str) -> subprocess.CompletedProcess:

