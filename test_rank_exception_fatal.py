@@ -27,6 +27,7 @@ device). Standard library only; runs under pytest or `python3 -m unittest`.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import importlib.util
 import json
@@ -706,7 +707,7 @@ class ExecutorReadTest(unittest.TestCase):
             response_mqs=list(queues),
             is_failed=False,
             shutdown_event=threading.Event(),
-            futures_queue=__import__("collections").deque(),
+            futures_queue=collections.deque(),
             parallel_config=parallel_config,
             vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
         )
