@@ -8,6 +8,7 @@ leave in /dev/shm is removed.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -326,34 +327,36 @@ def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:
     return Timeline(server, reference, answer, answered_at)
 
 
-def fault_on_a_new_server(
-    python: str, model: str, workdir: str, fault: str, watch_seconds: float, layout: str = "tp"
-):
-    """Start a server, run one fault on it (run_fault) and end it: (Timeline, the stopped Server)."""
+@contextlib.contextmanager
+def new_server(python: str, model: str, workdir: str, layout: str):
+    """A started server, ready to answer; stopped (stop()) when the block ends."""
     server = Server(python, model, workdir, layout)
     server.start()
     try:
         server.wait_ready()
-        return run_fault(server, fault, watch_seconds), server
+        yield server
     finally:
         server.stop()
+
+
+def fault_on_a_new_server(
+    python: str, model: str, workdir: str, fault: str, watch_seconds: float, layout: str = "tp"
+):
+    """Start a server, run one fault on it (run_fault) and end it: (Timeline, the stopped Server)."""
+    with new_server(python, model, workdir, layout) as server:
+        return run_fault(server, fault, watch_seconds), server
 
 
 def first_request_on_a_new_server(python: str, model: str, workdir: str, layout: str, watch_seconds: float):
     """Start a server, send it one request and watch it until it exits or watch_seconds
     pass: ((status, text or error), the stopped Server). For a layout whose first
     request meets a real failure in vLLM itself, no fault is injected."""
-    server = Server(python, model, workdir, layout)
-    server.start()
-    try:
-        server.wait_ready()
+    with new_server(python, model, workdir, layout) as server:
         answer = server.complete(timeout=watch_seconds)
         deadline = time.time() + watch_seconds
         while server.exited_at is None and time.time() < deadline:
             time.sleep(0.05)
         return answer, server
-    finally:
-        server.stop()
 
 
 def group_members(pgid: int) -> list[str]:
