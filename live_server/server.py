@@ -151,10 +151,7 @@ class Server:
         self.orphans = None
         self.shm_left_by_server = None
         if self.exited_at is not None:
-            deadline = self.exited_at + ORPHAN_GRACE_SECONDS
-            while group_alive(self.proc.pid) and time.time() < deadline:
-                time.sleep(0.1)
-            self.orphans = group_members(self.proc.pid)
+            self.orphans = group_left(self.proc.pid, self.exited_at)
             self.shm_left_by_server = sorted(shm_entries() - self.shm_before)
         for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
             try:
@@ -376,6 +373,16 @@ def group_members(pgid: int) -> list[str]:
 
 def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
+
+
+def group_left(pgid: int, ended_at: float) -> list[str]:
+    """What of a process group still runs ORPHAN_GRACE_SECONDS after its leader ended
+    (time.time() ended_at): children such as multiprocessing's resource tracker end a
+    moment after their parent."""
+    deadline = ended_at + ORPHAN_GRACE_SECONDS
+    while group_alive(pgid) and time.time() < deadline:
+        time.sleep(0.1)
+    return group_members(pgid)
 
 
 def python_of(venv: str) -> str:

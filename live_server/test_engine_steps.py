@@ -30,9 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server.server import (  # noqa: E402
-    ORPHAN_GRACE_SECONDS,
-    group_alive,
-    group_members,
+    group_left,
     make_model,
     python_of,
     run_apply,
@@ -125,11 +123,7 @@ def run_harness(python: str, model: str) -> dict:
         try:
             stdout, stderr = harness.communicate(timeout=HARNESS_TIMEOUT_SECONDS)
         finally:
-            # multiprocessing's resource tracker ends a moment after the harness does.
-            deadline = time.monotonic() + ORPHAN_GRACE_SECONDS
-            while group_alive(harness.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            orphans = group_members(harness.pid)
+            orphans = group_left(harness.pid, time.time())
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(harness.pid, signal.SIGKILL)
         left = shm_entries() - shm_before
