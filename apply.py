@@ -38,6 +38,9 @@ from collections.abc import Sequence
 TARGET = "vllm/v1/executor/multiproc_executor.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATCHES_DIR = os.path.join(HERE, "patches")
+# Each release's file and the file its diff makes of it, by sha256: a gate on a known
+# file is a hash lookup.
+TABLE = os.path.join(HERE, "releases", "releases.tsv")
 TEMP_PREFIX = ".rank-exception-fatal-"
 # Each diff's first line: a copy cut short (at a hunk boundary it still parses as a
 # smaller diff) or damaged in any other way no longer matches it.
@@ -287,6 +290,40 @@ def fingerprint(lines: Sequence[str], fix: Fix) -> str | None:
 
 # state: applied, not-applied or drifted; fix: the Fix that matched (None when drifted).
 Decision = namedtuple("Decision", "state fix")
+
+
+def known_files(table: str) -> dict[str, Decision]:
+    """sha256 -> decision, for each release's file and the file its diff makes of it,
+    from the release table's text (tab-separated, with a header; # starts a comment)."""
+    header, *rows = [line.split("\t") for line in table.splitlines() if line.strip() and not line.startswith("#")]
+    diff, release, fixed = (header.index(column) for column in ("diff", "sha256", "fixed_sha256"))
+    known = {}
+    for row in rows:
+        known[row[release]] = Decision(NOT_APPLIED_STATE, Fix(row[diff], ()))
+        known[row[fixed]] = Decision(APPLIED_STATE, Fix(row[diff], ()))
+    return known
+
+
+def decide_by_hash(data: bytes) -> Decision | None:
+    """The decision for a file the release table knows, without parsing a diff: parsing
+    costs more than the rest of a --check together. None for any other file, and when
+    patches/ is not the set of diffs the table names (then parsing gives the reason)."""
+    try:
+        with open(TABLE, encoding="utf-8") as f:
+            known = known_files(f.read())
+        names = sorted(name for name in os.listdir(PATCHES_DIR) if name.endswith(".diff"))
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        return None
+    decision = known.get(sha256_hex(data))
+    if decision is None or names != sorted({d.fix.name for d in known.values()}):
+        return None
+    for name in names:  # whole, as a parse would first check
+        try:
+            with open(os.path.join(PATCHES_DIR, name), encoding="utf-8", newline="") as f:
+                check_integrity(name, f.read())
+        except (OSError, UnicodeDecodeError):
+            return None
+    return decision
 
 
 def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
@@ -644,9 +681,12 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
     return Report(DRIFTED, DRIFTED_STATE, "none", message, None, data, data)
 
 
-def run_check(path: str, fixes: Sequence[Fix], *, show_diff: bool) -> Report:
+def run_check(path: str, *, show_diff: bool) -> Report:
     data, text = read_target(path)
-    decision = decide(text, fixes)
+    decision = None if show_diff else decide_by_hash(data)
+    if decision is None:
+        fixes = read_bundle()
+        decision = decide(text, fixes)
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
     name = decision.fix.name
@@ -738,12 +778,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = locate_target(args.root)
         if args.mode == "verify":
             report = run_verify(path, args.root)
+        elif args.mode in ("check", "diff"):
+            report = run_check(path, show_diff=args.mode == "diff")
         else:
-            fixes = read_bundle()
-            if args.mode in ("check", "diff"):
-                report = run_check(path, fixes, show_diff=args.mode == "diff")
-            else:
-                report = run_change(path, fixes, revert=args.mode == "revert")
+            report = run_change(path, read_bundle(), revert=args.mode == "revert")
     except Failure as e:
         report = Report(e.code, "error", "none", str(e))
     except KeyboardInterrupt:

@@ -103,6 +103,23 @@ def test_check_apply_revert_cycle(version, make_tree, tmp_path, capsys):
     assert leftovers(root) == []
 
 
+def test_check_decides_a_known_file_by_its_hash(make_tree, monkeypatch, capsys):
+    """The gate reads no diff for a file the release table knows: without unidiff it still answers."""
+    root = make_tree("0.30.0")
+    assert apply.main(["--root", root]) == 0
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "unidiff", None)  # an import of it now fails
+    for state, code in (("applied", 0), ("not-applied", 1)):
+        assert apply.main(["--root", root, "--check", "--json"]) == code
+        report = json.loads(capsys.readouterr().out)
+        assert (report["state"], report["diff"]) == (state, "v0.30.0.diff")
+        write(target(root), release_bytes("0.30.0"))
+    # Any other file is decided by the diffs, which need unidiff.
+    write(target(root), release_bytes("0.30.0") + b"# a line the table does not know\n")
+    assert apply.main(["--root", root, "--check"]) == 5
+    assert "unidiff package is missing" in capsys.readouterr().err
+
+
 def test_root_comes_from_the_environment(make_tree, monkeypatch):
     root = make_tree("0.30.0")
     monkeypatch.setenv("GAUDI_FIXES_ROOT", root)

@@ -10,6 +10,7 @@ releases, and is what make_diff.py writes for the release it is named after.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -81,6 +82,8 @@ def test_release_is_fixed_and_proven(version, make_tree, capsys):
     assert report["diff"] == TABLE_ROWS[version].diff, "the diff that releases/releases.tsv names"
     assert apply.main(["--root", root]) == 0
     assert apply.main(["--root", root, "--check"]) == 0
+    with open(path, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == TABLE_ROWS[version].fixed_sha256, "the table's fixed_sha256"
 
     patched = run_loop_test(root, version)
     assert patched.returncode == 0, patched.stderr

@@ -18,8 +18,8 @@ else from the whole wheel.
 --survey makes a table row for releases not in the table yet: it reads the file
 from the x86_64 wheel (each one, where a release has several), and downloads the
 sdist once to say whether it holds the same bytes. It also reads the release's
-ParallelConfig for enable_fault_tolerance. It prints a row less its diff column:
-version, sha256, fault_tolerance, wheel, sdist.
+ParallelConfig for enable_fault_tolerance. It prints a row less its diff and
+fixed_sha256 columns: version, sha256, fault_tolerance, wheel, sdist.
 """
 from __future__ import annotations
 
@@ -45,10 +45,11 @@ TABLE = os.path.join(HERE, "releases", "releases.tsv")
 INDEX_URL = "https://pypi.org/simple/vllm/"
 TIMEOUT_SECONDS = 60
 
-# version, the diff in patches/ that fixes it, the sha256 of its TARGET, whether
-# its parallel config has enable_fault_tolerance (yes/no), the wheel the file is
-# read from, and whether the sdist holds the same bytes (same/differs/none).
-Release = namedtuple("Release", "version diff sha256 fault_tolerance wheel sdist")
+# version, the diff in patches/ that fixes it, the sha256 of its TARGET and of the
+# file the diff makes of it (apply.py --check decides a known file by these two),
+# whether its parallel config has enable_fault_tolerance (yes/no), the wheel the file
+# is read from, and whether the sdist holds the same bytes (same/differs/none).
+Release = namedtuple("Release", "version diff sha256 fixed_sha256 fault_tolerance wheel sdist")
 COLUMNS = Release._fields
 
 
@@ -62,7 +63,7 @@ def read_table(path: str = TABLE) -> dict[str, Release]:
     for row in rows:
         release = Release(*row)
         if (
-            not re.fullmatch(r"[0-9a-f]{64}", release.sha256)
+            not all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in (release.sha256, release.fixed_sha256))
             or release.fault_tolerance not in ("yes", "no")
             or release.sdist not in ("same", "differs", "none")
         ):
@@ -292,7 +293,7 @@ def has_fault_tolerance_setting(wheel: str) -> bool:
 
 
 def survey(version: str) -> str:
-    """The table row for a release, less its diff: one line, tab-separated."""
+    """The table row for a release, less its diff and fixed_sha256: one line, tab-separated."""
     wheels = x86_64_wheels(version)
     if not wheels:
         raise LookupError(f"vllm=={version} has no x86_64 wheel on the index")
