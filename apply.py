@@ -21,7 +21,7 @@ exit codes:
   1  not applied (--check), or applied but stale bytecode would run the old code
   2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
-  4  cannot read or write the target, or keep its owner; the file is untouched
+  4  cannot read, lock or write the target, or keep its owner; the file is untouched
   5  malformed patch bundle (patches/ or verify.py missing, a bad or cut diff, no unidiff)
   6  usage error
   7  --verify: the installed vLLM does not fail fast
@@ -36,7 +36,7 @@ from collections import namedtuple
 from collections.abc import Sequence
 
 TARGET = "vllm/v1/executor/multiproc_executor.py"
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.realpath(__file__))  # the bundle is beside the file, not a link to it
 PATCHES_DIR = os.path.join(HERE, "patches")
 # Each release's file and the file its diff makes of it, by sha256: a gate on a known
 # file is a hash lookup.
@@ -530,14 +530,21 @@ class DirectoryLock:
             self.fd = os.open(self.directory, os.O_RDONLY)
         except OSError as e:
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot open {self.directory}: {e.strerror}") from None
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError as e:  # ENOLCK on some network file systems, or a seccomp filter
+            os.close(self.fd)
+            raise Failure(
+                CANNOT_READ_OR_WRITE,
+                f"cannot lock {self.directory} against another run: {e.strerror}; nothing was written",
+            ) from None
 
     def __exit__(self, *exc_info) -> None:
         os.close(self.fd)  # releases the lock
 
 
-def replace_file(path: str, data: bytes) -> None:
-    """Swap in the new bytes all at once, with the old file's mode, owner and group."""
+def new_file_like(path: str) -> tuple[int, str]:
+    """A temporary file beside path, with its owner, group and mode: (fd, name)."""
     import stat
     import tempfile
 
@@ -554,19 +561,39 @@ def replace_file(path: str, data: bytes) -> None:
             f"cannot write in {directory}: {e.strerror}; run as the owner of the vLLM install",
         ) from None
     try:
+        made = os.fstat(fd)
+        if (made.st_uid, made.st_gid) != (old.st_uid, old.st_gid):
+            try:
+                os.fchown(fd, old.st_uid, old.st_gid)
+            except PermissionError:
+                # Only root may give a file away, and a user only to a group of theirs.
+                raise Failure(
+                    CANNOT_READ_OR_WRITE,
+                    f"cannot keep the owner and group of {path} (uid {old.st_uid}, gid {old.st_gid}):"
+                    " run as its owner or as root",
+                ) from None
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after fchown, which clears set-id bits
+    except BaseException as e:
+        os.close(fd)
+        remove_files([temp])
+        if isinstance(e, OSError):
+            raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
+        raise
+    return fd, temp
+
+
+def check_writable(path: str) -> None:
+    """Fail as replace_file would, writing nothing: for --dry-run."""
+    fd, temp = new_file_like(path)
+    os.close(fd)
+    remove_files([temp])
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Swap in the new bytes all at once, with the old file's mode, owner and group."""
+    fd, temp = new_file_like(path)
+    try:
         with os.fdopen(fd, "wb") as f:
-            made = os.fstat(f.fileno())
-            if (made.st_uid, made.st_gid) != (old.st_uid, old.st_gid):
-                try:
-                    os.fchown(f.fileno(), old.st_uid, old.st_gid)
-                except PermissionError:
-                    # Only root may give a file away, and a user only to a group of theirs.
-                    raise Failure(
-                        CANNOT_READ_OR_WRITE,
-                        f"cannot keep the owner and group of {path} (uid {old.st_uid}, gid {old.st_gid}):"
-                        " run as its owner or as root",
-                    ) from None
-            os.fchmod(f.fileno(), stat.S_IMODE(old.st_mode))  # after fchown, which clears set-id bits
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -579,7 +606,7 @@ def replace_file(path: str, data: bytes) -> None:
     from contextlib import suppress
 
     with suppress(OSError):  # make the rename durable; the swap itself is already done
-        dir_fd = os.open(directory, os.O_RDONLY)
+        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
@@ -703,6 +730,7 @@ def run_check(path: str, *, show_diff: bool) -> Report:
         return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", f"not applied (patches/{name} fits)", name, data, data)
     import difflib
 
+    check_writable(os.path.realpath(path))  # what the real run would need: a diff it cannot write misleads
     lines = split_lines(text)
     new_text = rewrite(lines, decision.fix)
     change = "".join(difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}"))

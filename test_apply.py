@@ -317,9 +317,10 @@ def test_a_user_who_cannot_keep_the_owner_is_refused(owner, public_tree, capfd):
     path = target(root)
     os.chmod(os.path.dirname(path), 0o777)  # nobody may write in the directory, but the file is not theirs
     os.chown(path, *owner)
-    assert run_as_nobody(["--root", root], patches) == 4
-    err = capfd.readouterr().err
-    assert "cannot keep the owner and group of" in err and len(err.strip().splitlines()) == 1
+    for args in ([], ["--dry-run"]):
+        assert run_as_nobody(["--root", root, *args], patches) == 4
+        err = capfd.readouterr().err
+        assert "cannot keep the owner and group of" in err and len(err.strip().splitlines()) == 1
     assert read(path) == release_bytes("0.30.0") and (os.stat(path).st_uid, os.stat(path).st_gid) == owner
     assert leftovers(root) == []
     os.chown(path, 65534, 65534)  # their own file: written, and still theirs
@@ -444,6 +445,25 @@ def test_a_run_waits_for_the_lock(make_tree, tmp_path):
     assert read(path) == patched_bytes("0.30.0", tmp_path)
 
 
+def test_a_lock_the_system_refuses_is_a_clear_error(make_tree, monkeypatch, capsys):
+    """flock() can fail (ENOLCK on some network file systems, a seccomp filter): one line, exit 4."""
+    import errno
+    import fcntl
+
+    def refuse(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    root = make_tree("0.30.0")
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    assert apply.main(["--root", root]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("apply.py: cannot lock ") and len(err.splitlines()) == 1, err
+    assert apply.main(["--root", root, "--json"]) == 4
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 4 and "cannot lock" in report["message"] and "No locks available" in report["message"]
+    assert read(target(root)) == release_bytes("0.30.0")
+
+
 # Runs apply and revert in turn, starting with one or the other; exits with the worst code.
 TURNS = """\
 import sys, apply
@@ -532,14 +552,17 @@ def public_tree(make_tree):
 def test_unwritable_target_is_a_clear_error(public_tree, capfd):
     root, patches = public_tree
     if os.geteuid() == 0:
-        check, change = run_as_nobody(["--root", root, "--check"], patches), run_as_nobody(["--root", root], patches)
+        run = lambda *args: run_as_nobody(["--root", root, *args], patches)  # noqa: E731
     else:
         os.chmod(os.path.dirname(target(root)), 0o555)
-        check, change = apply.main(["--root", root, "--check"]), apply.main(["--root", root])
-    assert check == 1, "--check needs no write access"
-    assert change == 4
-    err = capfd.readouterr().err
-    assert "cannot write in" in err and "Permission denied" in err and len(err.strip().splitlines()) == 1
+        run = lambda *args: apply.main(["--root", root, *args])  # noqa: E731
+    assert run("--check") == 1, "--check needs no write access"
+    capfd.readouterr()
+    for args in ([], ["--dry-run"]):  # a dry run says what the real run would do
+        assert run(*args) == 4, args
+        out, err = capfd.readouterr()
+        assert "cannot write in" in err and "Permission denied" in err and len(err.strip().splitlines()) == 1
+        assert out == ""
     assert read(target(root)) == release_bytes("0.30.0")
     assert leftovers(root) == []
 
@@ -635,6 +658,16 @@ def test_script_runs_outside_its_directory(make_tree, tmp_path):
     done = subprocess.run([sys.executable, APPLY, "--root", root, "--check"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 1, done.stderr
     assert "v0.30.0.diff" in done.stdout
+
+
+def test_script_run_through_a_symlink_finds_its_bundle(make_tree, tmp_path):
+    """A link on PATH to apply.py: the bundle is beside the file, not beside the link."""
+    link = tmp_path / "bin" / "rank-exception-fatal"
+    link.parent.mkdir()
+    link.symlink_to(APPLY)
+    done = subprocess.run([sys.executable, str(link), "--root", make_tree("0.30.0")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("applied patches/v0.30.0.diff")
 
 
 def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):
