@@ -484,12 +484,17 @@ def stale_bytecode_files(paths: Sequence[str], source: bytes) -> list[str]:
     return stale
 
 
-def remove_files(paths: Sequence[str]) -> None:
-    from contextlib import suppress
-
+def remove_files(paths: Sequence[str]) -> dict[str, str]:
+    """Remove what can be removed; the others, each with the reason."""
+    failed = {}
     for path in paths:
-        with suppress(OSError):
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed[path] = e.strerror
+    return failed
 
 
 # --- write ------------------------------------------------------------------------
@@ -648,7 +653,9 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
         decision = decide(text, fixes)
         if decision.state == wanted:
             stale = stale_bytecode_files(sources, data)
-            remove_files(stale)
+            kept = remove_files(stale)
+            if kept:
+                return bytecode_kept(decision, revert, "none", data, data, kept)
             return settled(decision, revert, data, stale)
         if decision.state == DRIFTED_STATE:
             return drifted(path, data, text, fixes)
@@ -663,7 +670,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
                 return drifted(path, data, text, fixes, reason=f"the file does not compile as it stands: {error}")
             raise Failure(BAD_BUNDLE, f"patches/{decision.fix.name} gives a file that does not compile: {error}")
         replace_file(real, new)
-        remove_files(bytecode_files(sources))  # an unchecked-hash .pyc would go on running the old code
+        failed = remove_files(bytecode_files(sources))  # an unchecked-hash .pyc would go on running the old code
         try:
             written, written_text = read_target(real)
             state = decide(written_text, fixes).state
@@ -676,6 +683,11 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
                 f" ({state or 'unreadable'}): another program changed it; run again"
             )
             return Report(CHANGED_AFTER_WRITE, state or "error", action, message, decision.fix.name, data, written)
+        # A cache another user owns, or a prefix on a read-only mount: the file is right,
+        # but Python would run what the .pyc holds.
+        kept = {pyc: failed[pyc] for pyc in stale_bytecode_files(sources, new) if pyc in failed}
+        if kept:
+            return bytecode_kept(decision, revert, action, data, new, kept)
     message = f"{action} patches/{decision.fix.name} ({describe(installed_distribution(path))})"
     return Report(OK, wanted, action, message, decision.fix.name, data, written)
 
@@ -686,6 +698,20 @@ def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str
         return Report(OK, NOT_APPLIED_STATE, "none", f"not applied (nothing to revert{cleaned})", None, data, data)
     message = f"already applied (patches/{decision.fix.name}{cleaned})"
     return Report(OK, APPLIED_STATE, "none", message, decision.fix.name, data, data)
+
+
+def bytecode_kept(
+    decision: Decision, revert: bool, action: str, before: bytes, after: bytes, kept: dict[str, str]
+) -> Report:
+    """Exit 1: the file is as wanted, but Python would run the other side's code from a .pyc."""
+    pyc, reason = next(iter(kept.items()))
+    done = f"{action} patches/{decision.fix.name}" if action != "none" else "nothing to do to the file"
+    message = (
+        f"{done}, but stale bytecode {pyc} cannot be removed ({reason}) and would run instead of the file:"
+        f" remove it as its owner (rm {pyc}), then run again"
+    )
+    state = APPLIED_STATE if revert else NOT_APPLIED_STATE  # what would run
+    return Report(NOT_APPLIED, state, action, message, decision.fix.name, before, after)
 
 
 def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reason: str | None = None) -> Report:

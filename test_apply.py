@@ -338,6 +338,26 @@ def test_cached_bytecode_is_removed(make_tree):
     assert not os.path.exists(pyc) and not os.path.exists(other_python)
 
 
+def test_stale_bytecode_that_cannot_be_removed(public_tree, capfd, tmp_path):
+    """A __pycache__ of another user's (root ran the server once): the .pyc stays, and the run says so."""
+    needs_root()
+    root, patches = public_tree
+    path = target(root)
+    for directory, _, names in os.walk(root):
+        for name in [directory, *(os.path.join(directory, n) for n in names)]:
+            os.chown(name, 65534, 65534)  # the service user's install
+    pyc = py_compile.compile(path, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)  # root's cache
+    for _ in range(2):  # the write, then a run that finds the file fixed
+        assert run_as_nobody(["--root", root], patches) == 1
+        out = capfd.readouterr().out
+        assert f"but stale bytecode {pyc} cannot be removed (Permission denied)" in out, out
+        assert len(out.splitlines()) == 1
+        assert read(path) == patched_bytes("0.30.0", tmp_path) and os.path.exists(pyc)
+    assert run_as_nobody(["--root", root, "--check"], patches) == 1
+    assert apply.main(["--root", root]) == 0 and not os.path.exists(pyc)
+    assert apply.main(["--root", root, "--check"]) == 0
+
+
 UNCHECKED = (
     "import py_compile, sys;"
     "py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
@@ -519,6 +539,8 @@ def test_the_target_removed_during_the_run(make_tree, monkeypatch, capsys):
 
 def run_as_nobody(args: list[str], patches: str) -> int:
     """apply.main in a forked child that dropped root, as an operator without rights would run it."""
+    import unidiff  # noqa: F401  (imported as root: the test's venv may lie where nobody cannot read)
+
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 99
