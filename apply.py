@@ -27,6 +27,7 @@ exit codes:
   7  --verify: the installed vLLM does not fail fast
   8  --verify: the installed vLLM cannot be imported
   9  the target was written, then read back changed by another program: run again
+ 10  Python imports the executor from a compiled module or a zip, not a source file
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ DIFF_HEADER = "# sha256 of the lines below: "
 
 OK, NOT_APPLIED, DRIFTED = 0, 1, 2
 TARGET_NOT_FOUND, CANNOT_READ_OR_WRITE, BAD_BUNDLE, USAGE = 3, 4, 5, 6
-VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE = 7, 8, 9
+VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE, NOT_A_SOURCE_FILE = 7, 8, 9, 10
 
 APPLIED_STATE, NOT_APPLIED_STATE, DRIFTED_STATE = "applied", "not-applied", "drifted"
 
@@ -65,32 +66,70 @@ class Failure(Exception):
 
 
 def locate_target(root: str | None) -> str:
-    if root:
-        path = os.path.join(root, TARGET)
-        if not os.path.isfile(path):
+    """The source file Python would import as vllm's executor: under --root, or on this
+    Python's sys.path. Searched as the import system searches (a namespace package's
+    portions in order, a compiled module before the source, a zip), without running
+    vllm/__init__.py, which needs torch and a device and may fail on a node being repaired."""
+    from importlib.machinery import SourceFileLoader
+
+    locations = [root] if root else sys.path
+    spec = None
+    parts = TARGET[: -len(".py")].split("/")
+    for depth in range(1, len(parts) + 1):
+        spec = find_spec_in(".".join(parts[:depth]), locations)
+        if spec is None or (depth < len(parts) and not spec.submodule_search_locations):
+            if root:
+                raise Failure(
+                    TARGET_NOT_FOUND,
+                    f"{os.path.join(root, TARGET)} not found: --root (or GAUDI_FIXES_ROOT) must be the directory"
+                    " holding vllm/",
+                )
             raise Failure(
                 TARGET_NOT_FOUND,
-                f"{path} not found: --root (or GAUDI_FIXES_ROOT) must be the directory holding vllm/",
+                f"no vllm package with {TARGET[5:]} for {sys.executable}: run this with the Python that serves"
+                " vLLM, or pass --root DIR (the directory holding vllm/)",
             )
-        return path
-    import importlib.util
-
-    # find_spec on a top-level name searches sys.path without running vllm/__init__.py,
-    # which needs torch and a device and may fail on a node being repaired.
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
+        locations = list(spec.submodule_search_locations or ())
+    if not isinstance(spec.loader, SourceFileLoader) or not os.path.isfile(spec.origin or ""):
         raise Failure(
-            TARGET_NOT_FOUND,
-            f"no vllm package for {sys.executable}: run this with the Python that serves vLLM, "
-            "or pass --root DIR (the directory holding vllm/)",
+            NOT_A_SOURCE_FILE,
+            f"Python imports vllm's executor from {spec.origin}, not from a source file this tool can fix"
+            " (a compiled module, bytecode without its source, or a zip); nothing was written",
         )
-    path = os.path.join(spec.submodule_search_locations[0], *TARGET.split("/")[1:])
-    if not os.path.isfile(path):
-        raise Failure(TARGET_NOT_FOUND, f"{path} not found: this vllm has no multiprocessing executor")
-    return path
+    return spec.origin
+
+
+def find_spec_in(name: str, locations: Sequence[str]):
+    """The spec the import system would find for name in these locations, as
+    importlib.machinery.PathFinder finds it, but without importing name's parents
+    (whose namespace paths it would read from sys.modules)."""
+    portions: list[str] = []
+    for location in locations:
+        finder = path_entry_finder(location)
+        spec = finder.find_spec(name) if finder is not None else None
+        if spec is None:
+            continue
+        if spec.loader is not None:
+            return spec
+        portions.extend(spec.submodule_search_locations or ())  # a portion of a namespace package
+    if not portions:
+        return None
+    from importlib.machinery import ModuleSpec
+
+    namespace = ModuleSpec(name, None, is_package=True)
+    namespace.submodule_search_locations = portions
+    return namespace
+
+
+def path_entry_finder(location: str):
+    if location in sys.path_importer_cache:
+        return sys.path_importer_cache[location]
+    for hook in sys.path_hooks:
+        try:
+            return hook(location or os.getcwd())
+        except ImportError:
+            continue
+    return None
 
 
 # name and version of the distribution that installed the vllm package: vllm,

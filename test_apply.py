@@ -193,6 +193,54 @@ def test_without_a_target(tmp_path, monkeypatch, capsys):
     assert "no vllm package" in capsys.readouterr().err
 
 
+def test_a_namespace_portion_without_the_executor(tmp_path, make_tree, monkeypatch, capsys):
+    """vllm/ as a namespace package whose first portion has no v1/: Python imports the second's."""
+    first = tmp_path / "first"
+    (first / "vllm" / "plugins").mkdir(parents=True)
+    second = make_tree("0.30.0")
+    monkeypatch.setattr(sys, "path", [str(first), second])
+    assert apply.main(["--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["path"] == target(second)
+
+
+def compiled_beside_the_source(root: str) -> str:
+    """A compiled module where a Cython build leaves it: Python imports it before the .py."""
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    module = target(root)[: -len(".py")] + EXTENSION_SUFFIXES[0]
+    write(module, b"\x7fELF")
+    return module
+
+
+def bytecode_only(root: str) -> str:
+    """Only a .pyc where the source was (compileall -b, then the .py removed)."""
+    pyc = target(root) + "c"
+    py_compile.compile(target(root), cfile=pyc)
+    os.unlink(target(root))
+    return pyc
+
+
+@pytest.mark.parametrize("form", [compiled_beside_the_source, bytecode_only])
+def test_an_executor_python_imports_from_no_source(form, make_tree, capsys):
+    """Exit 3 means "no executor here"; fleet tooling reads it as not affected. These have one."""
+    root = make_tree("0.30.0")
+    module = form(root)
+    for args in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *args]) == 10, args
+        err = capsys.readouterr().err
+        assert f"Python imports vllm's executor from {module}, not from a source file" in err
+        assert len(err.splitlines()) == 1
+
+
+def test_an_executor_in_a_zip(make_tree, tmp_path):
+    root = make_tree("0.30.0")
+    archive = str(tmp_path / "vllm.zip")
+    shutil.make_archive(archive[: -len(".zip")], "zip", root)
+    done = run_apply("--check", "--json", env={**os.environ, "PYTHONPATH": archive})
+    assert done.returncode == 10, done.stderr
+    assert json.loads(done.stdout)["message"].startswith(f"Python imports vllm's executor from {archive}/{TARGET}")
+
+
 def change_a_loop_line(data: bytes) -> bytes:
     return data.replace(b'logger.exception("WorkerProc hit an exception.")', b'logger.exception("Worker failed.")')
 
@@ -679,8 +727,8 @@ def test_root_takes_both_spellings(make_tree, capsys):
 def test_help_lists_every_exit_code(capsys):
     assert apply.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for code in range(10):
-        assert f"\n  {code}  " in out
+    for code in range(11):
+        assert f"\n {code:>2}  " in out
 
 
 def test_script_runs_outside_its_directory(make_tree, tmp_path):
