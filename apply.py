@@ -533,13 +533,15 @@ def bytecode_files(paths: Sequence[str]) -> list[str]:
 
 
 def stale_bytecode(header: bytes, source: bytes) -> bool:
-    """Whether a .pyc with this 16-byte header would run code other than source.
+    """Whether a .pyc with this 16-byte header could run code other than source.
 
-    Python checks a timestamp .pyc against the source's mtime and size and a checked
-    hash .pyc against its hash, and compiles again when they differ; an unchecked-hash
-    .pyc it runs as it is. Its hash is keyed by the Python that wrote it and the
-    function changed in 3.11, so one from another Python cannot be checked: stale."""
-    if len(header) < 16 or int.from_bytes(header[4:8], "little") != 0b01:  # not unchecked-hash
+    Python checks a timestamp .pyc against the source's mtime and size, and compiles
+    again when they differ. A hash-based .pyc it checks against the source's hash only
+    if it is a checked one and the server runs without `--check-hash-based-pycs never`,
+    which the gate cannot see: any hash-based .pyc of other code is stale. Its hash is
+    keyed by the Python that wrote it and the function changed in 3.11, so one from
+    another Python cannot be checked: stale."""
+    if len(header) < 16 or not int.from_bytes(header[4:8], "little") & 0b01:  # timestamp-based
         return False
     import _imp
     from importlib.util import MAGIC_NUMBER

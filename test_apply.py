@@ -445,6 +445,18 @@ def test_stale_bytecode_of_a_fixed_source(prefix, make_tree, tmp_path):
     assert run_apply("--root", root, "--check", env=env).returncode == 0
 
 
+def test_checked_hash_bytecode_of_the_release_is_stale(make_tree, tmp_path):
+    """A checked-hash .pyc runs unchecked under `python --check-hash-based-pycs never`."""
+    root = make_tree("0.30.0")
+    path = target(root)
+    pyc = py_compile.compile(path, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    write(path, patched_bytes("0.30.0", tmp_path))
+    check = run_apply("--root", root, "--check")
+    assert check.returncode == 1 and check.stdout.startswith(f"stale bytecode {pyc} would run"), check.stdout
+    assert apply.main(["--root", root]) == 0 and not os.path.exists(pyc)
+    assert apply.main(["--root", root, "--check"]) == 0
+
+
 def test_bytecode_python_checks_is_not_stale(make_tree, tmp_path):
     root = make_tree("0.30.0")
     path = target(root)
