@@ -519,9 +519,7 @@ def bytecode_files(paths: Sequence[str]) -> list[str]:
     for path in paths:
         directories = [os.path.join(os.path.dirname(path), "__pycache__")]
         if sys.pycache_prefix:
-            import importlib.util
-
-            directories.append(os.path.dirname(importlib.util.cache_from_source(path)))
+            directories += mirrors_in_prefix(sys.pycache_prefix, os.path.dirname(path))
         stem = os.path.splitext(os.path.basename(path))[0] + "."
         for directory in directories:
             try:
@@ -530,6 +528,22 @@ def bytecode_files(paths: Sequence[str]) -> list[str]:
                 continue
             found.update(os.path.join(directory, n) for n in names if n.startswith(stem) and n.endswith(".pyc"))
     return sorted(found)
+
+
+def mirrors_in_prefix(prefix: str, directory: str) -> list[str]:
+    """The directories of a pycache prefix tree that mirror this one under any spelling
+    of its path: Python mirrors the path it imported by (a venv reached through a
+    symlink), which may not be the path apply.py was given."""
+    real = os.path.realpath(directory)
+    tail = os.path.join(*TARGET.split("/")[:-1])  # vllm/v1/executor
+    mirrors = []
+    for mirror, subdirectories, _ in os.walk(prefix):
+        source = os.sep + os.path.relpath(mirror, prefix)
+        if not os.path.isdir(source):
+            subdirectories.clear()  # a tree no longer there, or a mirror of a deleted one
+        elif mirror.endswith(os.sep + tail) and os.path.realpath(source) == real:
+            mirrors.append(mirror)
+    return mirrors
 
 
 def stale_bytecode(header: bytes, source: bytes) -> bool:

@@ -445,6 +445,21 @@ def test_stale_bytecode_of_a_fixed_source(prefix, make_tree, tmp_path):
     assert run_apply("--root", root, "--check", env=env).returncode == 0
 
 
+def test_stale_bytecode_under_another_spelling_of_the_path(make_tree, tmp_path):
+    """The server imports through a symlinked venv; the gate is given the real path."""
+    real = make_tree("0.30.0", name="real-venv")
+    link = tmp_path / "venv"
+    link.symlink_to(real)
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
+    subprocess.run([sys.executable, "-c", UNCHECKED, target(str(link))], env=env, check=True)
+    [pyc] = [os.path.join(d, n) for d, _, names in os.walk(tmp_path / "pycache") for n in names]
+    assert str(link) in pyc, "Python mirrors the path it was given"
+    write(target(real), patched_bytes("0.30.0", tmp_path))
+    check = run_apply("--root", real, "--check", env=env)
+    assert check.returncode == 1 and check.stdout.startswith(f"stale bytecode {pyc} would run"), check.stdout
+    assert run_apply("--root", real, env=env).returncode == 0 and not os.path.exists(pyc)
+
+
 def test_checked_hash_bytecode_of_the_release_is_stale(make_tree, tmp_path):
     """A checked-hash .pyc runs unchecked under `python --check-hash-based-pycs never`."""
     root = make_tree("0.30.0")
