@@ -670,6 +670,7 @@ def new_file_like(path: str) -> tuple[int, str]:
                     " run as its owner or as root",
                 ) from None
         os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after fchown, which clears set-id bits
+        copy_extended_attributes(path, fd)  # after fchmod, which would reset an ACL's mask
     except BaseException as e:
         os.close(fd)
         remove_files([temp])
@@ -677,6 +678,26 @@ def new_file_like(path: str) -> tuple[int, str]:
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
         raise
     return fd, temp
+
+
+def copy_extended_attributes(path: str, fd: int) -> None:
+    """Give the new file the old one's extended attributes: its ACL
+    (system.posix_acl_access), which a server may need to read the file, and any other."""
+    try:
+        names = os.listxattr(path)
+    except (AttributeError, OSError):  # not Linux, or a file system without them
+        return
+    for name in names:
+        try:
+            value = os.getxattr(path, name)
+            if name in os.listxattr(fd) and os.getxattr(fd, name) == value:
+                continue  # given already (an SELinux label from the directory)
+            os.setxattr(fd, name, value)
+        except OSError as e:
+            raise Failure(
+                CANNOT_READ_OR_WRITE,
+                f"cannot keep the extended attribute {name} of {path}: {e.strerror}; run as its owner or as root",
+            ) from None
 
 
 def check_writable(path: str) -> None:

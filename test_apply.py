@@ -366,6 +366,48 @@ def test_owner_and_group_are_kept(make_tree):
     assert (os.stat(target(root)).st_uid, os.stat(target(root)).st_gid) == (4242, 4343)
 
 
+def acl_letting_read(uid: int) -> bytes:
+    """A POSIX access ACL as the kernel stores it (system.posix_acl_access): the owner
+    reads and writes, user uid reads, nobody else."""
+    import struct
+
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 6, undefined), (0x02, 4, uid), (0x04, 0, undefined), (0x10, 4, undefined), (0x20, 0, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def can_read_as(uid: int, path: str) -> bool:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.close(os.open(path, os.O_RDONLY))
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def test_acl_and_extended_attributes_are_kept(public_tree):
+    """A server user who reads the file only through an ACL can still import it after the fix."""
+    needs_root()
+    root, _ = public_tree
+    path = target(root)
+    os.chmod(path, 0o600)
+    os.setxattr(path, "system.posix_acl_access", acl_letting_read(65534))
+    os.setxattr(path, "user.origin", b"vllm wheel")
+    before = {name: os.getxattr(path, name) for name in os.listxattr(path)}
+    assert can_read_as(65534, path)
+    for args in ([], ["--revert"]):
+        assert apply.main(["--root", root, *args]) == 0
+        assert {name: os.getxattr(path, name) for name in os.listxattr(path)} == before
+        assert can_read_as(65534, path), "the ACL still lets the server's user read"
+    assert read(path) == release_bytes("0.30.0")
+
+
 @pytest.mark.parametrize("owner", [(0, 0), (65534, 0)], ids=["root-owned", "root-group"])
 def test_a_user_who_cannot_keep_the_owner_is_refused(owner, public_tree, capfd):
     needs_root()
