@@ -748,8 +748,27 @@ def compile_error(data: bytes, path: str) -> str | None:
 Report = namedtuple("Report", "code state action message diff before after", defaults=(None, None, None))
 
 
+def refuse_a_shared_file(path: str) -> None:
+    """A target that leads by a symlink out of the tree holding its vllm/ (a file or a
+    directory linked into a store, as uv's --link-mode=symlink makes) is shared: a write
+    would change every environment linked to it. The operator chooses which to fix."""
+    def holding_vllm(file: str) -> str:
+        return file[: -len(TARGET) - 1] or os.sep
+
+    real = os.path.realpath(path)
+    tree = holding_vllm(path)
+    if real.startswith(os.path.join(os.path.realpath(tree), "")):
+        return
+    everyone = f"; or all that share it: --root {holding_vllm(real)}" if real.endswith(os.sep + TARGET) else ""
+    raise Failure(
+        CANNOT_READ_OR_WRITE,
+        f"{path} is a link to {real}, outside {tree}: a file other environments may share;"
+        f" nothing was written. Fix this one: cp --remove-destination {real} {path}, then run again{everyone}",
+    )
+
+
 def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
-    real = os.path.realpath(path)  # a symlink stays a link; the file behind it changes
+    real = os.path.realpath(path)  # a symlink within the tree stays a link; the file behind it changes
     directory = os.path.dirname(real)
     sources = sorted({path, real})  # Python caches bytecode by the path it imported
     data, text = read_target(real)
@@ -759,6 +778,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
         return settled(decision, revert, data, [])
     if decision.state == DRIFTED_STATE:
         return drifted(path, data, text, fixes)
+    refuse_a_shared_file(path)
 
     with DirectoryLock(directory):
         remove_files(leftover_temp_files(directory))  # from a run that was killed
@@ -869,7 +889,8 @@ def run_check(path: str, *, show_diff: bool) -> Report:
         return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", f"not applied (patches/{name} fits)", name, data, data)
     import difflib
 
-    check_writable(os.path.realpath(path))  # what the real run would need: a diff it cannot write misleads
+    refuse_a_shared_file(path)  # what the real run would need: a diff it cannot write misleads
+    check_writable(os.path.realpath(path))
     lines = split_lines(text)
     new_text = rewrite(lines, decision.fix)
     change = "".join(difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}"))

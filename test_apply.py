@@ -325,16 +325,44 @@ def test_drifted_source_is_never_written(case, make_tree, capsys):
 
 
 def test_symlinked_target_stays_a_link(make_tree, tmp_path):
+    """A link within the tree holding vllm/: its file changes, and it stays a link."""
     root = make_tree("0.30.0")
-    real = tmp_path / "elsewhere" / "multiproc_executor.py"
+    real = Path(root) / "vendored" / "multiproc_executor.py"
     real.parent.mkdir()
     shutil.move(target(root), real)
-    os.symlink(real, target(root))
+    os.symlink(os.path.relpath(real, os.path.dirname(target(root))), target(root))
     assert apply.main(["--root", root]) == 0
     assert os.path.islink(target(root))
     assert read(str(real)) == patched_bytes("0.30.0", tmp_path)
     assert apply.main(["--root", root, "--revert"]) == 0
     assert read(str(real)) == release_bytes("0.30.0") and os.path.islink(target(root))
+
+
+@pytest.mark.parametrize("linked", ["file", "package"])
+def test_a_link_into_a_shared_store_is_not_written_through(linked, make_tree, tmp_path, capsys):
+    """uv --link-mode=symlink: every environment links to one file in the store. Fixing one
+    environment must not change the others; the operator chooses, by the message's commands."""
+    store = make_tree("0.30.0", name="store")
+    site = tmp_path / "site-packages"
+    if linked == "file":
+        (site / TARGET).parent.mkdir(parents=True)
+        (site / TARGET).symlink_to(target(store))
+    else:
+        site.mkdir()
+        (site / "vllm").symlink_to(Path(store) / "vllm", target_is_directory=True)
+    path = str(site / TARGET)
+    for args in ([], ["--dry-run"]):
+        assert apply.main(["--root", str(site), *args]) == 4
+        err = capsys.readouterr().err
+        assert f"{path} is a link to {target(store)}, outside {site}: a file other environments may share" in err
+        assert len(err.splitlines()) == 1 and read(target(store)) == release_bytes("0.30.0")
+    assert apply.main(["--root", str(site), "--check"]) == 1, "the gate reads what Python would import"
+    if linked == "file":  # the message's first way: this environment only
+        subprocess.run(["cp", "--remove-destination", target(store), path], check=True)
+        assert apply.main(["--root", str(site)]) == 0
+        assert read(path) == patched_bytes("0.30.0", tmp_path) and read(target(store)) == release_bytes("0.30.0")
+    assert err.endswith(f"; or all that share it: --root {store}\n")  # its second: every environment that shares it
+    assert apply.main(["--root", store]) == 0 and read(target(store)) == patched_bytes("0.30.0", tmp_path)
 
 
 def test_hard_linked_target_leaves_the_other_name(make_tree, tmp_path):
