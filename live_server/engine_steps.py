@@ -234,10 +234,16 @@ def run(engine, directory: str, scenario: dict, EngineCoreRequest, SamplingParam
         engine.add_request(*engine.preprocess_add_request(request))
     result: dict = {"batch_queue": engine.batch_queue_size, "tokens": {}, "steps": 0}
     fault_file = os.path.join(directory, "fault")
+    fault_step = (scenario.get("fault") or {}).get("step")
+    sent = count_model_steps_sent(engine.model_executor)
     try:
         while (engine.scheduler.has_requests() or engine.batch_queue) and result["steps"] < 200:
             result["steps"] += 1
-            if scenario.get("finish") and os.path.exists(fault_file):
+            if scenario.get("finish") and fault_step and sent["steps"] >= fault_step:
+                # The failing step is on its way to the workers; abort only once it has
+                # failed there, and before the engine reads it, so the row does not race
+                # the worker (it did, on a busy CI machine).
+                wait_for(fault_file)
                 engine.abort_requests(list(PROMPTS))
             outputs, _ = engine.step_fn()
             for engine_outputs in (outputs or {}).values():
@@ -249,6 +255,26 @@ def run(engine, directory: str, scenario: dict, EngineCoreRequest, SamplingParam
         with open(fault_file) as f:
             result["after_fault"] = round(time.time() - float(f.read()), 3)
     return result
+
+
+def count_model_steps_sent(executor) -> dict:
+    """Count the non-empty execute_model calls the engine sends, passing each on."""
+    sent = {"steps": 0}
+    execute_model = executor.execute_model
+
+    def counted(scheduler_output, *args, **kwargs):
+        if scheduler_output.total_num_scheduled_tokens:
+            sent["steps"] += 1
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    executor.execute_model = counted
+    return sent
+
+
+def wait_for(path: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
