@@ -361,6 +361,62 @@ def fingerprint(lines: Sequence[str], fix: Fix) -> str | None:
     return None
 
 
+def rebinding(text: str, fix: Fix) -> str | None:
+    """Where the module binds again a method or function the fix changes (a vendor's
+    wrapper at its end, a second definition, its class replaced by name): then the
+    function the hunks found is not the one that runs. None if nowhere."""
+    import ast
+    import re
+
+    changed = {m.group(1) for hunk in fix.hunks for line in hunk.before + hunk.after
+               for m in [re.match(r"\s*(?:async\s+)?def (\w+)\(", line)] if m}
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None  # the compile check speaks for it
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    classes = {node.name for node in module.body if isinstance(node, ast.ClassDef)
+               and any(isinstance(item, functions) and item.name in changed for item in node.body)}
+    definitions = []  # (name as the module binds it, line)
+    for node in module.body:
+        if isinstance(node, functions) and node.name in changed:
+            definitions.append((node.name, node.lineno))
+        elif isinstance(node, ast.ClassDef) and node.name in classes:
+            definitions.append((node.name, node.lineno))
+            definitions += [(f"{node.name}.{item.name}", item.lineno) for item in node.body
+                            if isinstance(item, functions) and item.name in changed]
+    bound: dict[str, int] = {}
+    for name, line in definitions:
+        if name in bound:
+            return f"line {line} defines {name} again (first at line {bound[name]}): the later one is what runs"
+        bound[name] = line
+    for node in ast.walk(module):
+        if isinstance(node, ast.Assign):
+            names = [dotted(target) for target in node.targets]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            names = [dotted(node.target)]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+            names = [f"{dotted(node.args[0])}.{node.args[1].value}"]
+        else:
+            continue
+        for name in names:
+            if name in bound:
+                return f"line {node.lineno} rebinds {name}: the fixed code would not be the code that runs"
+    return None
+
+
+def dotted(node) -> str | None:
+    """X for a name, X.y for an attribute of a name; None for anything else."""
+    import ast
+
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return None
+
+
 # --- decide -----------------------------------------------------------------------
 
 
@@ -414,6 +470,8 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     if not matches:
         return Decision(DRIFTED_STATE, None)
     fix, state = matches[0]
+    if rebinding(text, fix):
+        return Decision(DRIFTED_STATE, None)
     return Decision(state, fix)
 
 
@@ -506,7 +564,11 @@ def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
         return "the file holds NUL bytes"
     if "\r\n" in text:
         return "the file has CRLF line endings; vLLM releases use LF"
-    return closest_difference(split_lines(text), fixes)
+    lines = split_lines(text)
+    for fix in fixes:
+        if fingerprint(lines, fix) and rebinding(text, fix):
+            return f"{fix.name} fits, but {rebinding(text, fix)}"
+    return closest_difference(lines, fixes)
 
 
 # --- bytecode -------------------------------------------------------------------

@@ -276,6 +276,29 @@ def both_stand() -> list[str]:
 
 
 # case: (release, what becomes of its file, what the message says: a string, or a function giving strings)
+# A vendor's wrapper: the release's method, called from another bound in its place.
+VENDOR_WRAPPER = b"""
+
+_release_execute_worker_rpc = WorkerProc._execute_worker_rpc
+
+
+def _vendor_execute_worker_rpc(self, *args, **kwargs):
+    return _release_execute_worker_rpc(self, *args, **kwargs)
+
+
+WorkerProc._execute_worker_rpc = _vendor_execute_worker_rpc
+"""
+
+
+SETATTR = b'\nsetattr(WorkerProc, "_execute_worker_rpc", print)\n'
+CLASS_REBOUND = b"\n\nclass VendorProc(WorkerProc):\n    pass\n\n\nWorkerProc = VendorProc\n"
+
+
+def line_after_release(appended: bytes, line: str) -> int:
+    """The number of a line of appended, once appended to the 0.30.0 release file."""
+    return (release_bytes("0.30.0") + appended).decode().splitlines().index(line) + 1
+
+
 DRIFTS = {
     "changed-loop-line": ("0.30.0", change_a_loop_line, "found:    '            logger.exception(\"Worker failed.\")\\n'"),
     # Whitespace is what differs here, and what the message must show.
@@ -300,6 +323,18 @@ DRIFTS = {
     "empty": ("0.26.0", lambda d: b"", "the file is empty"),
     "not-utf8": ("0.30.0", lambda d: d.replace(b"WorkerProc hit", b"WorkerProc \xff hit"), "not UTF-8"),
     "half-applied": ("0.33.0", half_applied, "half-applied: v0.33.0.diff hunk 1 is in place"),
+    # The changed functions stand as released, but the module binds another in their place.
+    "method-rebound-at-the-end": ("0.30.0", lambda d: d + VENDOR_WRAPPER, lambda: [
+        f"v0.30.0.diff fits, but line {line_after_release(VENDOR_WRAPPER, VENDOR_WRAPPER.decode().splitlines()[-1])}"
+        " rebinds WorkerProc._execute_worker_rpc"]),
+    "method-set-by-setattr": ("0.30.0", lambda d: d + SETATTR, lambda: [
+        f"line {line_after_release(SETATTR, SETATTR.decode().strip())} rebinds WorkerProc._execute_worker_rpc"]),
+    "class-rebound": ("0.30.0", lambda d: d + CLASS_REBOUND, lambda: [
+        f"line {line_after_release(CLASS_REBOUND, 'WorkerProc = VendorProc')} rebinds WorkerProc:"]),
+    "method-defined-twice": ("0.30.0", lambda d: d.replace(b"    def _execute_worker_rpc(",
+                                                           b"    def _execute_worker_rpc(self, *a):\n        pass\n\n"
+                                                           b"    def _execute_worker_rpc(", 1),
+                             lambda: ["defines WorkerProc._execute_worker_rpc again (first at line "]),
 }
 
 
