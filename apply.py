@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Apply, check or revert the rank-exception-fatal fix in vLLM's multiproc executor.
 
-usage: apply.py [--root DIR] [--check | --revert | --diff | --verify] [--json]
+usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--json]
 
 Without a mode, applies the fix if it is not applied yet. Reads
 vllm/v1/executor/multiproc_executor.py under --root (default: $GAUDI_FIXES_ROOT),
@@ -9,6 +9,8 @@ or else in the vllm package this Python would import, found without importing it
 
 options:
   --root DIR         the directory holding vllm/
+  --pid PID          the file the running process PID (the server) would import, found
+                     with its Python, environment and working directory
   --check            report only: 0 applied, 1 not applied, 2 drifted
   --revert           put back the release's bytes
   --diff, --dry-run  print the change as a unified diff; write nothing
@@ -28,6 +30,7 @@ exit codes:
   8  --verify: the installed vLLM cannot be imported
   9  the target was written, then read back changed by another program: run again
  10  Python imports the executor from a compiled module or a zip, not a source file
+ 11  --verify: the check could not run (its harness failed before a verdict)
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ DIFF_HEADER = "# sha256 of the lines below: "
 OK, NOT_APPLIED, DRIFTED = 0, 1, 2
 TARGET_NOT_FOUND, CANNOT_READ_OR_WRITE, BAD_BUNDLE, USAGE = 3, 4, 5, 6
 VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE, NOT_A_SOURCE_FILE = 7, 8, 9, 10
+VERIFY_CANNOT_RUN = 11
 
 APPLIED_STATE, NOT_APPLIED_STATE, DRIFTED_STATE = "applied", "not-applied", "drifted"
 
@@ -130,6 +134,83 @@ def path_entry_finder(location: str):
         except ImportError:
             continue
     return None
+
+
+# Run in the process's own Python, with its environment and working directory: where
+# that Python's import system finds the executor, with sys.path[0] as the process had it.
+LOCATE_AS_PROCESS = """\
+import importlib.util, sys
+if sys.path and sys.path[0] == "":  # -c put the working directory first; the process had its own
+    sys.path[0] = sys.argv[2]
+spec = importlib.util.spec_from_file_location("rank_exception_fatal_apply", sys.argv[1])
+apply = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(apply)
+try:
+    print(apply.locate_target(None))
+except apply.Failure as e:
+    print(e, file=sys.stderr)
+    sys.exit(e.code)
+"""
+
+
+def locate_for_process(pid: str) -> str:
+    """The executor file a running process (the server) would import: found by its own
+    interpreter, with its environment, working directory and first sys.path entry, all
+    read from /proc. A server started elsewhere, with another PYTHONPATH, or from a
+    directory holding a vLLM checkout may import a copy other than this Python's."""
+    import subprocess
+
+    proc = f"/proc/{pid}"
+    try:
+        python = os.readlink(f"{proc}/exe")
+        cwd = os.readlink(f"{proc}/cwd")
+        with open(f"{proc}/environ", "rb") as f:
+            environ = dict(entry.partition(b"=")[::2] for entry in f.read().split(b"\0") if b"=" in entry)
+        with open(f"{proc}/cmdline", "rb") as f:
+            command = [os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1]]
+    except FileNotFoundError:
+        raise Failure(TARGET_NOT_FOUND, f"no process {pid}: --pid takes the id of the running vLLM server") from None
+    except OSError as e:
+        raise Failure(CANNOT_READ_OR_WRITE, f"cannot read process {pid}: {e.strerror}; run as its user or as root") from None
+    if not os.path.basename(python).startswith("python"):
+        raise Failure(
+            TARGET_NOT_FOUND,
+            f"process {pid} runs {python}, not Python: give the id of one of the vLLM server's Python processes",
+        )
+    flags, first = interpreter_view(command, cwd)
+    try:
+        found = subprocess.run(
+            [python, *flags, "-c", LOCATE_AS_PROCESS, os.path.realpath(__file__), first],
+            env={os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Failure(TARGET_NOT_FOUND, f"cannot run process {pid}'s Python {python}: {e}") from None
+    if found.returncode != 0:
+        message = found.stderr.strip().splitlines()[-1:] or [f"exit status {found.returncode}"]
+        code = found.returncode if found.returncode in (TARGET_NOT_FOUND, NOT_A_SOURCE_FILE) else TARGET_NOT_FOUND
+        raise Failure(code, f"as process {pid} ({python}, in {cwd}) would import it: {message[0]}")
+    if environ.get(b"PYTHONPYCACHEPREFIX"):  # where that process caches bytecode
+        sys.pycache_prefix = os.path.join(cwd, os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"]))
+    return found.stdout.strip()
+
+
+def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str]:
+    """From a Python command line: the flags that change what it imports, and its
+    sys.path[0] (the script's directory, or the working directory for -m and -c)."""
+    flags, args = [], list(command[1:])
+    while args and args[0].startswith("-") and args[0] not in ("-", "-m", "-c"):
+        arg = args.pop(0)
+        if arg in ("-W", "-X", "--check-hash-based-pycs") and args:
+            args.pop(0)  # its value
+        elif arg.lstrip("-") and set(arg[1:]) <= set("IEsSPbBdOquvx"):
+            flags += [f"-{letter}" for letter in arg[1:] if letter in "IEsSP"]
+    if not args or args[0] in ("-", "-m", "-c"):
+        return flags, cwd
+    return flags, os.path.dirname(os.path.realpath(os.path.join(cwd, args[0])))
 
 
 # name and version of the distribution that installed the vllm package: vllm,
@@ -973,7 +1054,12 @@ def run_verify(path: str, root: str | None) -> Report:
     except (OSError, SyntaxError) as e:
         raise Failure(BAD_BUNDLE, f"cannot load {location}: {e}") from None
     code, lines = verify.run(path, root)
-    states = {OK: "fails-fast", VERIFY_NOT_FAIL_FAST: "not-fail-fast", VERIFY_CANNOT_IMPORT: "cannot-import"}
+    states = {
+        OK: "fails-fast",
+        VERIFY_NOT_FAIL_FAST: "not-fail-fast",
+        VERIFY_CANNOT_IMPORT: "cannot-import",
+        VERIFY_CANNOT_RUN: "cannot-run",
+    }
     return Report(code, states[code], "verify", lines)
 
 
@@ -984,11 +1070,12 @@ class UsageError(Exception):
 # Parsed by hand: argparse costs more than the rest of a --check run (~7 ms of
 # imports and gettext look-ups), and its usage errors exit 2, which means drifted.
 MODES = {"--check": "check", "--revert": "revert", "--diff": "diff", "--dry-run": "diff", "--verify": "verify"}
-Options = namedtuple("Options", "root mode json help")
+Options = namedtuple("Options", "root mode json help pid")
 
 
 def parse_args(argv: Sequence[str]) -> Options:
     root, mode, as_json, show_help = os.environ.get("GAUDI_FIXES_ROOT") or None, "apply", False, False
+    pid = None
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -998,6 +1085,10 @@ def parse_args(argv: Sequence[str]) -> Options:
             root = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
             if not root or root.startswith("-"):
                 raise UsageError("--root needs a directory")
+        elif arg == "--pid" or arg.startswith("--pid="):
+            pid = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            if not pid.isdigit():
+                raise UsageError("--pid needs the id of the running vLLM server")
         elif arg in MODES:
             if mode not in ("apply", MODES[arg]):
                 raise UsageError(f"{arg} cannot go with --{mode}: choose one mode")
@@ -1006,7 +1097,11 @@ def parse_args(argv: Sequence[str]) -> Options:
             as_json = True
         else:
             raise UsageError(f"unknown argument {arg!r}")
-    return Options(root, mode, as_json, show_help)
+    if pid and any(a == "--root" or a.startswith("--root=") for a in argv):
+        raise UsageError("--pid cannot go with --root: the process says where its vllm is")
+    if pid and mode == "verify":
+        raise UsageError("--verify cannot go with --pid: run --verify with the server's Python")
+    return Options(None if pid else root, mode, as_json, show_help, pid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1025,7 +1120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return OK
     path = None
     try:
-        path = locate_target(args.root)
+        path = locate_for_process(args.pid) if args.pid else locate_target(args.root)
+        if not args.pid and not args.root:
+            note_a_copy_here(path)
         if args.mode == "verify":
             report = run_verify(path, args.root)
         elif args.mode in ("check", "diff"):
@@ -1034,8 +1131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = run_change(path, read_bundle(), revert=args.mode == "revert")
     except Failure as e:
         report = Report(e.code, "error", "none", str(e))
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM or SIGHUP during --verify (after its clean-up)
+        return 128 + getattr(e, "signum", 2)
     if args.json:
         print_json(report, path)
     elif report.action == "verify":
@@ -1046,6 +1143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit(sys.stderr, f"apply.py: {report.message}")
     # The code says what happened to the file, also when the report could not be printed.
     return report.code
+
+
+def note_a_copy_here(path: str) -> None:
+    """A server started from this directory with `python -m` imports ./vllm, not the
+    package this Python finds: say so, as the gate answers for the latter only."""
+    here = os.path.join(os.getcwd(), TARGET)
+    if os.path.isfile(here) and os.path.realpath(here) != os.path.realpath(path):
+        emit(
+            sys.stderr,
+            f"apply.py: note: {here} would be imported instead by a server started here with python -m;"
+            " check what the server imports with --pid PID",
+        )
 
 
 def emit(stream, text: str) -> None:

@@ -203,6 +203,56 @@ def test_a_namespace_portion_without_the_executor(tmp_path, make_tree, monkeypat
     assert json.loads(capsys.readouterr().out)["path"] == target(second)
 
 
+@pytest.fixture
+def server_stand_in():
+    """start(cwd, env) -> the pid of a real Python process, started as a server may be
+    (`python -c`, here: its working directory first on sys.path); ended after the test."""
+    started = []
+
+    def start(cwd: str, env: dict | None = None) -> int:
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], cwd=cwd,
+                                   env={**os.environ, **(env or {})})
+        started.append(process)
+        return process.pid
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, server_stand_in, capsys):
+    """The gate's Python finds one vLLM; the server, started from a checkout or with its own
+    PYTHONPATH, imports another. --pid checks and fixes the server's."""
+    installed = make_tree("0.30.0", name="site-packages")
+    checkout = make_tree("0.30.0", name="checkout")
+    elsewhere = make_tree("0.26.0", name="on-its-pythonpath")
+    assert apply.main(["--root", installed]) == 0
+    capsys.readouterr()
+    from_checkout = server_stand_in(checkout)
+    with_pythonpath = server_stand_in("/", {"PYTHONPATH": elsewhere})
+    for pid, tree, version in ((from_checkout, checkout, "0.30.0"), (with_pythonpath, elsewhere, "0.26.0")):
+        assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["path"] == target(tree)
+        assert apply.main(["--pid", str(pid)]) == 0
+        assert f"applied patches/v{version}.diff" in capsys.readouterr().out
+        assert apply.main(["--pid", str(pid), "--check"]) == 0
+        capsys.readouterr()
+    # Run from the checkout, the gate says that a server started there imports another copy.
+    done = run_apply("--check", cwd=checkout, env={**os.environ, "PYTHONPATH": installed})
+    assert done.returncode == 0 and f"note: {target(checkout)} would be imported instead" in done.stderr
+
+
+@pytest.mark.parametrize("args, code", [
+    (["--pid", "abc"], 6), (["--pid"], 6), (["--pid", "1", "--root", "/"], 6), (["--pid", "1", "--verify"], 6),
+    (["--pid", "999999999"], 3),
+])
+def test_pid_errors(args, code, capsys):
+    assert apply.main(args) == code
+    err = capsys.readouterr().err
+    assert err.startswith("apply.py: ") and len(err.splitlines()) == 1, err
+
+
 def compiled_beside_the_source(root: str) -> str:
     """A compiled module where a Cython build leaves it: Python imports it before the .py."""
     from importlib.machinery import EXTENSION_SUFFIXES
@@ -859,7 +909,7 @@ def test_root_takes_both_spellings(make_tree, capsys):
 def test_help_lists_every_exit_code(capsys):
     assert apply.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for code in range(11):
+    for code in range(12):
         assert f"\n {code:>2}  " in out
 
 
