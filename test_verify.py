@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -88,3 +91,137 @@ def test_verify_says_when_vllm_cannot_be_imported(make_tree, capsys):
     assert "FAIL cannot import vllm.v1.executor.multiproc_executor" in capsys.readouterr().out
     assert apply.main(["--root", root, "--verify", "--json"]) == 8
     assert json.loads(capsys.readouterr().out)["state"] == "cannot-import"
+
+
+# --- the harness's process handling, on a stand-in vllm package ----------------------
+# Each stand-in does at import what a broken or hostile vLLM install can do; verify.py
+# runs it as it runs the real one.
+
+STAND_IN_EXECUTOR = """\
+import enum
+
+
+class WorkerProc:
+    class ResponseStatus(enum.Enum):
+        SUCCESS = enum.auto()
+        FAILURE = enum.auto()
+"""
+
+
+def stand_in_vllm(tmp_path, init: str, executor: str = STAND_IN_EXECUTOR, message_queue: str = "") -> str:
+    """A tree holding a vllm/ package whose __init__ runs init; (its root)."""
+    root = tmp_path / "stand-in"
+    files = {
+        "vllm/__init__.py": init,
+        "vllm/v1/__init__.py": "",
+        "vllm/v1/executor/__init__.py": "",
+        "vllm/v1/executor/multiproc_executor.py": executor,
+        "vllm/distributed/__init__.py": "",
+        "vllm/distributed/device_communicators/__init__.py": "",
+        "vllm/distributed/device_communicators/shm_broadcast.py": message_queue or "class MessageQueue:\n    pass\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return str(root)
+
+
+def gone(pid: int, seconds: float = 10.0) -> bool:
+    """Whether process pid is gone (or a zombie) within seconds: a bound on the wait, not a timing."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def end(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_a_harness_that_fails_at_start_up_is_reported_as_such(tmp_path):
+    """No room in /dev/shm for the MessageQueue, after the SIGTERM-deaf peer has started."""
+    no_room = "import errno, os\nclass MessageQueue:\n    def __init__(self, *args):\n" \
+              "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), '/dev/shm')\n"
+    root = stand_in_vllm(tmp_path, "", message_queue=no_room)
+    done = subprocess.run([sys.executable, APPLY, "--verify", "--root", root, "--json"], capture_output=True,
+                          text=True, timeout=HARNESS_WAIT)
+    report = json.loads(done.stdout)
+    assert (done.returncode, report["state"]) == (11, "cannot-run"), done.stdout + done.stderr
+    assert "FAIL the check could not run" in report["message"] and "No space left on device" in report["message"]
+
+
+HARNESS_WAIT = 400  # beyond verify.py's own bound (180 s), which the old code waited out
+
+
+def test_a_process_that_keeps_the_harness_output_does_not_hold_the_verdict(tmp_path):
+    """vLLM's import starts a process in a session of its own that keeps stdout open."""
+    pids = tmp_path / "pids"
+    init = (
+        "import os, subprocess, sys\n"
+        "keeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(900)'], start_new_session=True)\n"
+        f"open({str(pids)!r}, 'a').write(f'{{keeper.pid}}\\n')\n"
+    )
+    root = stand_in_vllm(tmp_path, init, executor="raise ImportError('a stand-in that cannot be imported')\n")
+    try:
+        done = subprocess.run([sys.executable, APPLY, "--verify", "--root", root], capture_output=True, text=True,
+                              timeout=HARNESS_WAIT)
+        assert done.returncode == 8, done.stdout + done.stderr
+        assert "a stand-in that cannot be imported" in done.stdout
+    finally:
+        end(int(pid) for pid in pids.read_text().split())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_apply_ends_the_harness_and_its_group(signum, tmp_path):
+    """A deploy deadline or a dropped ssh session during --verify: nothing of the check is left."""
+    marker = tmp_path / "harness"
+    init = (
+        "import os, signal, subprocess, sys, time\n"
+        "deaf = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(900)'])\n"
+        f"open({str(marker) + '.tmp'!r}, 'w').write(f\"{{os.getpid()}} {{deaf.pid}} {{os.environ['VLLM_RPC_BASE_PATH']}}\")\n"
+        f"os.rename({str(marker) + '.tmp'!r}, {str(marker)!r})\n"
+        "time.sleep(900)  # an import that hangs\n"
+    )
+    root = stand_in_vllm(tmp_path, init)
+    run = subprocess.Popen([sys.executable, APPLY, "--verify", "--root", root], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the harness did not start"
+            time.sleep(0.05)
+        harness, deaf, rpc_dir = marker.read_text().split()
+        pids = [int(harness), int(deaf)]
+        run.send_signal(signum)
+        assert run.wait(timeout=60) == 128 + signum
+        assert gone(int(harness)) and gone(int(deaf)), "the harness's group is ended"
+        assert not os.path.exists(rpc_dir), "its temporary directory is removed"
+    finally:
+        run.kill()
+        end(pids)
+
+
+@pytest.mark.parametrize("flag", ["-I", "-s", "-E"])
+def test_the_harness_runs_with_the_interpreters_flags(flag, tmp_path):
+    """python -I apply.py --verify: the harness must import what that Python imports."""
+    seen = tmp_path / "flags"
+    init = f"import sys\nopen({str(seen)!r}, 'w').write(repr(tuple(sys.flags)))\nraise ImportError('stand-in')\n"
+    root = stand_in_vllm(tmp_path, init)
+    done = subprocess.run([sys.executable, flag, APPLY, "--verify", "--root", root], capture_output=True, text=True,
+                          timeout=HARNESS_WAIT)
+    assert done.returncode == 8, done.stdout + done.stderr
+    mine = subprocess.run([sys.executable, flag, "-c", "import sys; print(repr(tuple(sys.flags)))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert seen.read_text() == mine

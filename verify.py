@@ -30,36 +30,63 @@ import sys
 import tempfile
 import time
 
-FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT = 0, 7, 8
+FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT, CANNOT_RUN = 0, 7, 8, 11
 HARNESS_TIMEOUT_SECONDS = 180  # vLLM's import alone takes 8-15 s on a 2-core machine
 STEP_TIMEOUT_SECONDS = 10
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a deadline, a dropped ssh session) while the harness runs:
+    ended as Ctrl-C is, after the clean-up; apply.py exits with 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run(path: str, root: str | None = None) -> tuple[int, str]:
     """Run the harness on the vllm that owns path; (exit code, the lines it printed)."""
+
+    def interrupted(signum, frame):
+        raise Interrupted(signum)
+
+    # Armed before anything starts, so that every way out ends the harness's whole group.
+    previous = {signum: signal.signal(signum, interrupted) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    harness = None
     rpc_dir = tempfile.mkdtemp(prefix="rank-exception-fatal-verify-")  # vLLM's zmq ipc sockets
-    env = {**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir}
-    if root:  # the harness must import vllm from there, not the installed one
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    harness = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--harness", path],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # so a timeout can end the workers too
-    )
+    # Files, not pipes: a process the harness leaves in a session of its own can keep a
+    # pipe open for good; the verdict is the harness's exit, not the end of its output.
+    out_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+    err_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
     try:
-        out, err = harness.communicate(timeout=HARNESS_TIMEOUT_SECONDS)
-        code = harness.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(harness.pid, signal.SIGKILL)
-        out, err = harness.communicate()
+        harness = subprocess.Popen(
+            # The interpreter's own flags (-I, -E, -s...): the harness must see the sys.path
+            # this Python sees. The root goes as an argument, which -E and -I keep.
+            [sys.executable, *interpreter_flags(), os.path.abspath(__file__), "--harness", path, root or ""],
+            env={**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir},
+            stdin=subprocess.DEVNULL,
+            stdout=out_file,
+            stderr=err_file,
+            start_new_session=True,  # so that the clean-up can end the workers too
+        )
+        try:
+            code = harness.wait(timeout=HARNESS_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            code = None
+    finally:
+        if harness is not None:
+            kill_process_group(harness.pid)
+            try:
+                harness.wait(timeout=STEP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    out, err = (read_all(f) for f in (out_file, err_file))
+    if code is None:
         code = NOT_FAIL_FAST
         out += f"FAIL the check did not finish within {HARNESS_TIMEOUT_SECONDS}s\n"
-    finally:
-        kill_process_group(harness.pid)
-        shutil.rmtree(rpc_dir, ignore_errors=True)
     # Only the harness's own segments: a server on the node may make new ones meanwhile.
     segments = [line.split()[1] for line in out.splitlines() if line.startswith("shm ")]
     left = [name for name in segments if os.path.exists(os.path.join("/dev/shm", name))]
@@ -70,9 +97,29 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
     out = "".join(line for line in out.splitlines(keepends=True) if line.startswith(("ok   ", "FAIL ")))
     if code not in (FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT):
         tail = " | ".join(err.strip().splitlines()[-3:])
-        out += f"FAIL the harness ended with status {code}: {tail}\n"
-        code = NOT_FAIL_FAST
+        out += f"FAIL the check could not run: the harness ended with status {code}: {tail}\n"
+        code = CANNOT_RUN
     return code, out.rstrip("\n")
+
+
+def read_all(file) -> str:
+    with file:
+        file.seek(0)
+        return file.read()
+
+
+def interpreter_flags() -> list[str]:
+    """The flags of this interpreter that change what it imports."""
+    flags = sys.flags
+    if flags.isolated:
+        found = ["-I"]
+    else:
+        found = [flag for flag, on in (("-E", flags.ignore_environment), ("-s", flags.no_user_site)) if on]
+        if getattr(flags, "safe_path", False):  # 3.11+
+            found.append("-P")
+    if flags.no_site:
+        found.append("-S")
+    return found
 
 
 def kill_process_group(pid: int) -> None:
@@ -182,15 +229,6 @@ def harness(path: str) -> int:
     context = multiprocessing.get_context("fork")  # the workers reuse this import
     pipes, procs = [], []
     peer = context.Process(target=stuck_peer, name="VerifyStuckPeer", daemon=True)
-    peer.start()
-    for rank in range(2):
-        parent_end, child_end = context.Pipe()
-        proc = context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
-        proc.start()
-        pipes.append(parent_end)
-        procs.append(proc)
-    broadcast = MessageQueue(2, 2)
-    print(f"shm {broadcast.handle.buffer_handle[-1]}", flush=True)
     responses = []
     failures = []
 
@@ -206,7 +244,19 @@ def harness(path: str) -> int:
         except TimeoutError:
             return None
 
+    # Every process it starts is ended in the finally below, also when the start-up
+    # itself fails (a MessageQueue with no room in /dev/shm): the stuck peer is deaf
+    # to the SIGTERM that multiprocessing would send a daemon at exit.
     try:
+        peer.start()
+        for rank in range(2):
+            parent_end, child_end = context.Pipe()
+            proc = context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
+            proc.start()
+            pipes.append(parent_end)
+            procs.append(proc)
+        broadcast = MessageQueue(2, 2)
+        print(f"shm {broadcast.handle.buffer_handle[-1]}", flush=True)
         for pipe in pipes:
             pipe.send(broadcast.export_handle())
         for pipe in pipes:
@@ -282,9 +332,10 @@ def harness(path: str) -> int:
         )
     finally:
         for proc in (*procs, peer):
-            if proc.is_alive():
+            if proc.pid is not None and proc.is_alive():
                 proc.kill()
-            proc.join(STEP_TIMEOUT_SECONDS)
+            if proc.pid is not None:
+                proc.join(STEP_TIMEOUT_SECONDS)
         # The workers wrote these; a killed writer cannot unlink its own.
         for queue in responses:
             unlink_shared_memory(queue.handle.buffer_handle[-1])
@@ -303,4 +354,6 @@ def unlink_shared_memory(name: str) -> None:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--harness"]:
+    if sys.argv[3:4] != [""]:
+        sys.path.insert(0, sys.argv[3])  # --root: import vllm from there
     raise SystemExit(harness(sys.argv[2]))
