@@ -994,20 +994,50 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
     import hashlib
 
     distribution = installed_distribution(path)
-    if distribution:
-        reinstall = f"pip install --force-reinstall --no-deps {distribution.name}=={distribution.version}"
-    else:
-        reinstall = (
-            "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
-        )
     message = (
         f"source drifted: {path} matches none of the bundle's diffs; nothing was written\n"
         f"  sha256 {hashlib.sha256(data).hexdigest()}, {describe(distribution)}\n"
         f"  tried: {', '.join(fix.name for fix in fixes)}\n"
         f"  {reason or drift_reason(data, text, fixes)}\n"
-        f"  next: {reinstall}, or add a diff for it (README: Adding a release)"
+        f"  next: {how_to_restore(distribution, path)}, or add a diff for it (README: Adding a release)"
+        + fork_note(distribution)
     )
     return Report(DRIFTED, DRIFTED_STATE, "none", message, None, data, data)
+
+
+UPSTREAM = "https://github.com/vllm-project/vllm"
+
+
+def how_to_restore(distribution: Distribution | None, path: str) -> str:
+    """How to get the file of the build this is back: the command depends on how vLLM
+    was built (a wheel from the index, a build from git, a checkout installed editable)."""
+    import re
+
+    tree = path[: -len(TARGET) - 1] if path.endswith(TARGET) else None
+    if tree and os.path.isdir(os.path.join(tree, ".git")):  # pip install -e, setup.py develop
+        return f"git -C {tree} checkout -- {TARGET} (the file as the checked-out commit has it)"
+    if distribution is None:
+        return "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
+    version = distribution.version
+    public, _, local = version.partition("+")
+    # 0.14.0rc1.dev165+gb3a2bdf1a.d20260113.empty: built from upstream commit b3a2bdf1a.
+    commit = re.search(r"(?:^|\.)g([0-9a-f]{7,40})(?:\.|$)", local)
+    device = "VLLM_TARGET_DEVICE=empty " if "empty" in local.split(".") else ""
+    if commit or device:  # built from source: no such version on the index
+        ref = commit.group(1) if commit else f"v{public}"
+        return f"{device}pip install --force-reinstall --no-deps git+{UPSTREAM}@{ref} (the build's own source)"
+    return f"pip install --force-reinstall --no-deps {distribution.name}=={version}"
+
+
+def fork_note(distribution: Distribution | None) -> str:
+    """HabanaAI's vllm-fork (versions like 0.9.0.1+gaudi-1.22.0) serves with the V0
+    engine by default, which does not use this file."""
+    if distribution and "gaudi" in distribution.version.partition("+")[2].lower():
+        return (
+            f"\n  note: {distribution.name} {distribution.version} is a Gaudi fork build, which runs vLLM's V0 engine"
+            " unless VLLM_USE_V1=1; this V1 file is used only then"
+        )
+    return ""
 
 
 def run_check(path: str, *, show_diff: bool) -> Report:

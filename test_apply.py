@@ -1005,6 +1005,60 @@ def test_an_egg_names_its_distribution(make_tree, capsys):
     assert (report["distribution"], report["version"]) == ("vllm", "0.30.0")
 
 
+GAUDI_BUILDS = {
+    # A vllm-gaudi release image: the upstream tag built with VLLM_TARGET_DEVICE=empty.
+    "release-image": ("vllm", "0.30.0+empty",
+                      "VLLM_TARGET_DEVICE=empty pip install --force-reinstall --no-deps "
+                      "git+https://github.com/vllm-project/vllm@v0.30.0 (the build's own source)"),
+    # vllm-gaudi's pin between releases, as its installation guide builds it.
+    "main-pin": ("vllm", "0.14.0rc1.dev165+gb3a2bdf1a.d20260113.empty",
+                 "VLLM_TARGET_DEVICE=empty pip install --force-reinstall --no-deps "
+                 "git+https://github.com/vllm-project/vllm@b3a2bdf1a (the build's own source)"),
+    "cuda-dev-build": ("vllm", "0.31.0.dev12+g0123abc",
+                       "pip install --force-reinstall --no-deps git+https://github.com/vllm-project/vllm@0123abc"),
+    "wheel": ("vllm", "0.30.0", "pip install --force-reinstall --no-deps vllm==0.30.0,"),
+}
+
+
+@pytest.mark.parametrize("build", sorted(GAUDI_BUILDS))
+def test_the_drift_hint_fits_how_vllm_was_built(build, make_tree, capsys):
+    """No +empty or dev version is on the index: the hint names the source to rebuild from."""
+    name, version, hint = GAUDI_BUILDS[build]
+    site = make_tree("0.30.0", name="site-packages")
+    add_dist_info(site, name, version)
+    write(target(site), change_a_loop_line(release_bytes("0.30.0")))
+    assert apply.main(["--root", site, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert f"{name} {version}" in err and f"  next: {hint}" in err, err
+    assert "Gaudi fork" not in err
+
+
+def test_an_editable_checkout_is_restored_from_its_commit(make_tree, capsys):
+    """pip install -e . (vllm-gaudi's guide) or setup.py develop: the file lives in a git checkout,
+    with the build's metadata beside vllm/."""
+    checkout = make_tree("0.30.0", name="vllm-src")
+    os.makedirs(os.path.join(checkout, ".git"))
+    info = os.path.join(checkout, "vllm.egg-info")
+    os.makedirs(info)
+    write(os.path.join(info, "PKG-INFO"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.14.0rc1.dev165+gb3a2bdf1a.empty\n\n")
+    write(os.path.join(info, "top_level.txt"), b"vllm\n")
+    assert apply.main(["--root", checkout, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["distribution"], report["version"]) == ("vllm", "0.14.0rc1.dev165+gb3a2bdf1a.empty")
+    write(target(checkout), change_a_loop_line(release_bytes("0.30.0")))
+    assert apply.main(["--root", checkout]) == 2
+    assert f"  next: git -C {checkout} checkout -- {TARGET} (the file" in capsys.readouterr().err
+
+
+def test_a_gaudi_fork_build_is_told_it_runs_v0(make_tree, capsys):
+    site = make_tree("0.30.0", name="site-packages")
+    add_dist_info(site, "vllm", "0.9.0.1+gaudi-1.22.0")
+    write(target(site), change_a_loop_line(release_bytes("0.30.0")))
+    assert apply.main(["--root", site, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "note: vllm 0.9.0.1+gaudi-1.22.0 is a Gaudi fork build, which runs vLLM's V0 engine unless VLLM_USE_V1=1" in err
+
+
 def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
     site = make_tree("0.30.0", name="site-packages")
     add_dist_info(site, "vllm-ascend", "0.30.0", owns="vllm_ascend")  # a plugin: its name starts alike
