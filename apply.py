@@ -19,7 +19,9 @@ options:
   -h, --help         print this help
 
 exit codes:
-  0  applied (or, with --diff, done; with --verify, the installed vLLM fails fast)
+  0  applied, or nothing to do: the file already fails fast by its own code, or
+     every rank replies its failure (with --diff, done; with --verify, the
+     installed vLLM fails fast)
   1  not applied (--check), or applied but stale bytecode would run the old code
   2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
@@ -920,7 +922,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
     if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
         return settled(decision, revert, data, [])
     if decision.state == DRIFTED_STATE:
-        return drifted(path, data, text, fixes)
+        return (not revert and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
     refuse_a_shared_file(path)
 
     with DirectoryLock(directory):
@@ -1005,6 +1007,43 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
     return Report(DRIFTED, DRIFTED_STATE, "none", message, None, data, data)
 
 
+FAILS_FAST_STATE, NOT_AFFECTED_STATE = "fails-fast", "not-affected"
+
+
+def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix]) -> Report | None:
+    """For a file that no diff fits and that holds none of their fixed text: what its
+    worker loop does with a failure, driven as the bundle's loop test drives it, in a
+    child. A loop that already ends a failing non-output rank (upstream's fix once it
+    lands, a vendor's) or where every rank replies (0.6.5-0.8.4) needs nothing: exit 0,
+    with its own state. None otherwise (the bug, or a loop the test cannot drive)."""
+    import subprocess
+
+    test = os.path.join(HERE, "test_rank_exception_fatal.py")
+    if text is None or not os.path.isfile(test):
+        return None
+    lines = split_lines(text)
+    if any(find_block(lines, hunk.after) for fix in fixes for hunk in fix.hunks):
+        return None  # part of this bundle's fix: half-applied, or edited after
+    try:
+        asked = subprocess.run(
+            [sys.executable, "-I", test, "--behaviour", os.path.realpath(path)],
+            capture_output=True, text=True, timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = asked.stdout.strip()
+    if found == "exits":
+        message = (
+            "already fails fast: a rank that fails a call it does not answer exits, by this file's own code"
+            " (no diff of this bundle); nothing to do"
+        )
+        return Report(OK, FAILS_FAST_STATE, "none", message, None, data, data)
+    if found == "replies":
+        message = "not affected: every rank replies its own failure, so none is dropped; nothing to do"
+        return Report(OK, NOT_AFFECTED_STATE, "none", message, None, data, data)
+    return None
+
+
 UPSTREAM = "https://github.com/vllm-project/vllm"
 
 
@@ -1047,7 +1086,7 @@ def run_check(path: str, *, show_diff: bool) -> Report:
         fixes = read_bundle()
         decision = decide(text, fixes)
     if decision.state == DRIFTED_STATE:
-        return drifted(path, data, text, fixes)
+        return (not show_diff and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
     name = decision.fix.name
     if decision.state == APPLIED_STATE and not show_diff:
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data)

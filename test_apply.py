@@ -1059,6 +1059,58 @@ def test_a_gaudi_fork_build_is_told_it_runs_v0(make_tree, capsys):
     assert "note: vllm 0.9.0.1+gaudi-1.22.0 is a Gaudi fork build, which runs vLLM's V0 engine unless VLLM_USE_V1=1" in err
 
 
+REPLY_IN_THE_LOOP = re.compile(
+    rb'(logger\.exception\("WorkerProc hit an exception\."\)\n(?: *#.*\n)*)( +)'
+    rb"if output_rank is None or self\.rank == output_rank:\n +self\.handle_output\(e\)\n"
+)
+
+
+def fails_fast_by_its_own_code(data: bytes) -> bytes:
+    """A fix written otherwise than this bundle's (upstream's, a vendor's): a rank whose
+    failure nobody reads exits."""
+    return REPLY_IN_THE_LOOP.sub(
+        rb"\1\2if output_rank is None or self.rank == output_rank:\n\2    self.handle_output(e)\n"
+        rb"\2else:\n\2    os._exit(1)  # nobody reads this rank's failure\n", data, count=1)
+
+
+def every_rank_replies(data: bytes) -> bytes:
+    return REPLY_IN_THE_LOOP.sub(rb"\1\2self.handle_output(e)\n", data, count=1)
+
+
+# The last release before 0.8.5: every rank replies its own failure (not in the table).
+UNAFFECTED_RELEASE = ("0.8.4", "72ec532ccc9da77de4ca05c5b198cf88d3d53f21ce9199957d537fb33d1e96ca")
+
+BEHAVIOURS = {
+    "fixed-by-its-own-code-0.26.0": ("0.26.0", fails_fast_by_its_own_code, 0, "fails-fast"),
+    "fixed-by-its-own-code-0.30.0": ("0.30.0", fails_fast_by_its_own_code, 0, "fails-fast"),
+    "every-rank-replies-0.33.0": ("0.33.0", every_rank_replies, 0, "not-affected"),
+    "release-0.8.4": (None, None, 0, "not-affected"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEHAVIOURS))
+def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tmp_path, capsys):
+    """Already fixed otherwise, or never broken: nothing to write, and the gate passes."""
+    version, edit, code, state = BEHAVIOURS[case]
+    if version is None:
+        import fetch_release
+
+        root = str(tmp_path / "tree")
+        shutil.copytree(fetch_release.unlisted_release_tree(*UNAFFECTED_RELEASE), root)
+        data = read(target(root))
+    else:
+        root = make_tree(version)
+        data = edit(release_bytes(version))
+        assert data != release_bytes(version), "the edit took"
+        write(target(root), data)
+    for args in (["--check"], []):
+        assert apply.main(["--root", root, *args, "--json"]) == code
+        report = json.loads(capsys.readouterr().out)
+        assert (report["state"], report["action"], report["diff"]) == (state, "none", None), report
+        assert read(target(root)) == data
+    assert apply.main(["--root", root, "--revert"]) == 2, "not this bundle's to revert"
+
+
 def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
     site = make_tree("0.30.0", name="site-packages")
     add_dist_info(site, "vllm-ascend", "0.30.0", owns="vllm_ascend")  # a plugin: its name starts alike

@@ -109,6 +109,17 @@ def uses_rank0_only(cls: ast.ClassDef) -> bool:
     return any(isinstance(n, ast.Name) and n.id == "rank0_only" for n in ast.walk(cls))
 
 
+def request_size(cls: ast.ClassDef) -> int:
+    """How many items the loop unpacks from the broadcast queue: 3 before 0.8.5
+    (method, args, kwargs: every rank answers), 4 from then on (and the output rank)."""
+    for node in ast.walk(cls):
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                and node.value.func.attr == "dequeue"):
+            return len(node.targets[0].elts)
+    return 4
+
+
 def strip_annotations(function: ast.FunctionDef) -> None:
     # Annotations name vLLM types that the stand-in module does not have.
     for node in ast.walk(function):
@@ -316,7 +327,8 @@ def run_child(path: str, case: dict) -> None:
     proc.mm_receiver_cache = None  # 0.11.0's multimodal cache, off
     proc.worker_response_mq = FakeResponseQueue()
     rank0_only = uses_rank0_only(cls)
-    proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c, rank0_only) for c in case["calls"])
+    size = request_size(cls)
+    proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c, rank0_only)[:size] for c in case["calls"])
 
     def handle_output(output):
         if isinstance(output, Exception):
@@ -428,6 +440,61 @@ class Outcome:
         return f"exit status {self.returncode}, events {self.events}\nstderr:\n{self.stderr}"
 
 
+def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False):
+    """One case, in a child Python: the fix ends the process, so a case cannot run in this one."""
+    case = {
+        "rank": rank,
+        "calls": calls,
+        "fault_tolerance": fault_tolerance,
+        "blocking_teardown": blocking_teardown,
+        "monitor": monitor,
+    }
+    command = [sys.executable, "-I", os.path.abspath(__file__), "--child", target, json.dumps(case)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        return Outcome(None, stdout, stderr, timed_out=True)
+    return Outcome(done.returncode, done.stdout, done.stderr, timed_out=False)
+
+
+def behaviour(target: str) -> str:
+    """What a file's worker loop does when a call fails, driven as the tests drive it:
+    "exits" (a failing rank that does not answer the call exits with status 1 and sends
+    nothing, while the output rank and an all-rank call reply), "replies" (every rank
+    replies its own failure, as 0.6.5-0.8.4 do), "drops" (this bug: the failure is
+    dropped and the rank serves on), or "unknown" (a loop these cases cannot drive).
+    apply.py asks this of a file that no diff fits: `python3 THIS_FILE --behaviour PATH`."""
+    try:
+        with open(target, encoding="utf-8") as f:
+            text = f.read()
+        cls = worker_proc_class(ast.parse(text))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, AssertionError):
+        return "unknown"
+    setting = False if "enable_fault_tolerance" in text else None  # off, where the file has it
+    output_rank = 0 if uses_rank0_only(cls) else 1
+
+    def fail(rank, answered_by):
+        return run_case(target, rank, [{"method": "execute_model", "output_rank": answered_by}],
+                        fault_tolerance=setting)
+
+    def replied(outcome):
+        return (outcome.returncode == 0 and outcome.drained and not outcome.escaped
+                and [r["reply"] for r in outcome.replies] == ["failure"])
+
+    if not (replied(fail(output_rank, output_rank)) and replied(fail(0, None))):
+        return "unknown"
+    other = fail(1 if output_rank == 0 else 0, output_rank)
+    if other.returncode == 1 and not other.replies and not other.escaped and not other.timed_out:
+        return "exits"
+    if replied(other):
+        return "replies"
+    if other.returncode == 0 and other.drained and not other.replies:
+        return "drops"
+    return "unknown"
+
+
 class WorkerLoopTest(unittest.TestCase):
     target: str
 
@@ -448,21 +515,8 @@ class WorkerLoopTest(unittest.TestCase):
         cls.other_output_rank = 0 if uses_rank0_only(cls.worker_proc) else 1
 
     def run_case(self, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False):
-        case = {
-            "rank": rank,
-            "calls": calls,
-            "fault_tolerance": fault_tolerance,
-            "blocking_teardown": blocking_teardown,
-            "monitor": monitor,
-        }
-        command = [sys.executable, "-I", os.path.abspath(__file__), "--child", self.target, json.dumps(case)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-            stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-            return Outcome(None, stdout, stderr, timed_out=True)
-        return Outcome(done.returncode, done.stdout, done.stderr, timed_out=False)
+        return run_case(self.target, rank, calls, fault_tolerance=fault_tolerance,
+                        blocking_teardown=blocking_teardown, monitor=monitor)
 
     def assert_exited_for(self, outcome, *, rank, method, output_rank, ran):
         self.assertFalse(outcome.timed_out, f"the worker did not end within {CASE_TIMEOUT_SECONDS}s: {outcome}")
@@ -765,5 +819,7 @@ class ExecutorReadTest(unittest.TestCase):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         run_child(sys.argv[2], json.loads(sys.argv[3]))
+    elif sys.argv[1:2] == ["--behaviour"]:
+        print(behaviour(sys.argv[2]))
     else:
         unittest.main()

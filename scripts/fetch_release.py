@@ -278,6 +278,27 @@ def release_tree(version: str) -> str:
     return tree
 
 
+def unlisted_release_tree(version: str, expected_sha256: str) -> str:
+    """release_tree for a release the table does not list (one without the bug), whose
+    file's sha256 the caller pins."""
+    tree = os.path.join(cache_dir(), "releases", version)
+    path = os.path.join(tree, TARGET)
+    try:
+        with open(path, "rb") as f:
+            if sha256(f.read()) == expected_sha256:
+                return tree
+    except FileNotFoundError:
+        pass
+    wheels = x86_64_wheels(version)
+    if not wheels:
+        raise LookupError(f"vllm=={version} has no x86_64 wheel on the index")
+    data = read_from_wheel(max(wheels, key=build_number))
+    if sha256(data) != expected_sha256:
+        raise ValueError(f"{TARGET} of vllm=={version} does not have the sha256 {expected_sha256}")
+    write_atomically(path, data)
+    return tree
+
+
 # --- a new release ------------------------------------------------------------------
 
 
