@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Apply, check or revert the rank-exception-fatal fix in vLLM's multiproc executor.
 
-usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--json]
+usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--exact] [--json]
 
 Without a mode, applies the fix if it is not applied yet. Reads
 vllm/v1/executor/multiproc_executor.py under --root (default: $GAUDI_FIXES_ROOT),
@@ -15,6 +15,9 @@ options:
   --revert           put back the release's bytes
   --diff, --dry-run  print the change as a unified diff; write nothing
   --verify           run the installed vLLM's real worker loop and check that it fails fast
+  --exact            fix only a file whose changed functions are a release's, byte for
+                     byte; without it, a diff may also be placed by its own lines in a
+                     build between releases, and is then proven by the loop test first
   --json             print one JSON object instead of the human line
   -h, --help         print this help
 
@@ -558,6 +561,162 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     return Decision(state, fix)
 
 
+# --- adapt ------------------------------------------------------------------------
+# A build between releases (a vllm-gaudi pin of upstream main) often differs from every
+# release somewhere in a function a diff carries whole: an argument added to a call, a
+# docstring. The fix itself may still stand where it was written: its own changed lines
+# and ADAPT_CONTEXT lines either side, exactly and once, in the function of the same
+# name. Then the change is placed there, and proven before it is written.
+
+ADAPT_CONTEXT = 3
+
+# fix: the diff's change narrowed to its own lines, as a Fix whose hunks rewrite() and
+# fingerprint() take; functions: the name of the function each narrowed hunk stands in
+# (None where the diff's text does not say); differing: how many lines of the diff's
+# whole-function text do not stand in the file.
+Adaptation = namedtuple("Adaptation", "state fix functions differing")
+
+
+def narrowed(fix: Fix) -> tuple[Fix, list[str | None]]:
+    import difflib
+
+    hunks, functions = [], []
+    for hunk in fix.hunks:
+        matcher = difflib.SequenceMatcher(None, hunk.before, hunk.after, autojunk=False)
+        end = 0
+        for group in matcher.get_grouped_opcodes(ADAPT_CONTEXT):
+            (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+            # A change in an except branch takes the whole branch above it: the fix rests
+            # on what the branch does, so a branch changed anywhere must not fit.
+            widened = except_line_above(hunk.before, i1, end)
+            j1 -= i1 - widened
+            i1, end = widened, i2
+            hunks.append(Hunk(hunk.before[i1:i2], hunk.after[j1:j2]))
+            functions.append(enclosing_function(hunk.before, i1))
+    return Fix(fix.name, tuple(hunks)), functions
+
+
+def except_line_above(lines: Sequence[str], index: int, floor: int) -> int:
+    """The index of the `except` line whose branch holds lines[index], if it stands at
+    floor or below; else index."""
+    import re
+
+    first = next((line for line in lines[index:] if line.strip()), "")
+    indent = len(first) - len(first.lstrip())
+    for k in range(index - 1, floor - 1, -1):
+        line = lines[k]
+        depth = len(line) - len(line.lstrip())
+        if not line.strip() or depth >= indent:
+            continue
+        if re.match(r" *except\b", line):
+            return k
+        if re.match(r" *(?:async +)?(?:def|class) ", line):
+            return index
+        indent = depth  # an if or a with inside the branch: go on up
+    return index
+
+
+def enclosing_function(lines: Sequence[str], index: int) -> str | None:
+    """The def or class that holds lines[index]: the nearest one above, less indented
+    than the first non-blank line from there."""
+    import re
+
+    first = next((line for line in lines[index:] if line.strip()), "")
+    indent = len(first) - len(first.lstrip())
+    for line in reversed(lines[:index]):
+        found = re.match(r"( *)(?:async +)?(?:def|class) +(\w+)", line)
+        if found and len(found.group(1)) < indent:
+            return found.group(2)
+    return None
+
+
+def adapt(text: str, fixes: Sequence[Fix]) -> Adaptation | None:
+    """For a file that no diff fits: the closest diff whose change can be placed in it
+    (not applied), or stands in it (applied), by its own lines; None if none can."""
+    lines = split_lines(text)
+    found = []
+    for fix in fixes:
+        narrow, functions = narrowed(fix)
+        state = fingerprint(lines, narrow)
+        if state is None or rebinding(text, fix):
+            continue
+        side = [h.before if state == NOT_APPLIED_STATE else h.after for h in narrow.hunks]
+        starts = locate_blocks(lines, side)
+        if any(name and enclosing_function(lines, start) != name for start, name in zip(starts, functions)):
+            continue  # the same lines, in another function
+        whole = [h.before if state == NOT_APPLIED_STATE else h.after for h in fix.hunks]
+        found.append(Adaptation(state, narrow, functions, sum(differing_lines(lines, block) for block in whole)))
+    # The closest; of equals, the newest release's diff.
+    return min(found, key=lambda a: (a.differing, [-n for n in release_of(a.fix.name)]), default=None)
+
+
+def differing_lines(lines: Sequence[str], block: Sequence[str]) -> int:
+    """How many lines differ (changed, missing or added) between the block and where it
+    stands best in the file."""
+    _, _, matcher = nearest(lines, block)
+    return sum(
+        max(i2 - i1, j2 - j1)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag != "equal" and not (tag == "delete" and j1 in (0, len(block)))  # file lines around it
+    )
+
+
+def release_of(diff_name: str) -> tuple[int, ...]:
+    """v0.11.1.diff -> (0, 11, 1)."""
+    return tuple(int(part) for part in diff_name[1 : -len(".diff")].split(".") if part.isdigit())
+
+
+def decide_any(text: str | None, fixes: Sequence[Fix], *, exact: bool) -> tuple[Decision, Adaptation | None]:
+    """decide(), and for a file no diff fits exactly (unless exact), adapt()."""
+    decision = decide(text, fixes)
+    if decision.state != DRIFTED_STATE or exact or text is None or "\0" in text:
+        return decision, None
+    adaptation = adapt(text, fixes)
+    if adaptation is None:
+        return decision, None
+    return Decision(adaptation.state, adaptation.fix), adaptation
+
+
+def adapted_words(adaptation: Adaptation) -> str:
+    release = adaptation.fix.name[1 : -len(".diff")]
+    return (
+        f"adapted: placed by its own lines ({len(adaptation.fix.hunks)} places); written for vllm {release},"
+        f" whose changed functions differ here in {adaptation.differing} line{'s' * (adaptation.differing != 1)}"
+    )
+
+
+def prove(new: bytes, real: str) -> str | None:
+    """None if the bundle's loop test passes on the new text, run in a child as an
+    operator runs it; else why not. An adapted change is written only once proven."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    test = os.path.join(HERE, "test_rank_exception_fatal.py")
+    if not os.path.isfile(test):
+        return f"{test} is missing: an adapted change is proven with it; copy the whole bundle"
+    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-proof-") as tree:
+        os.makedirs(os.path.join(tree, os.path.dirname(TARGET)))
+        with open(os.path.join(tree, TARGET), "wb") as f:
+            f.write(new)
+        vllm = real[: -len(TARGET)] + "vllm"
+        for config in ("config/parallel.py", "config.py"):  # whether it has fault tolerance
+            if os.path.isfile(os.path.join(vllm, config)):
+                os.makedirs(os.path.dirname(os.path.join(tree, "vllm", config)), exist_ok=True)
+                shutil.copyfile(os.path.join(vllm, config), os.path.join(tree, "vllm", config))
+        env = {k: v for k, v in os.environ.items() if k != "RANK_EXCEPTION_FATAL_FAULT_TOLERANCE"}
+        try:
+            done = subprocess.run([sys.executable, "-I", test], env={**env, "GAUDI_FIXES_ROOT": tree},
+                                  capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the loop test could not run: {e}"
+    if done.returncode == 0 and re.search(r"^OK$", done.stderr, re.M):
+        return None
+    failed = re.findall(r"^(?:FAIL|ERROR): (\w+)", done.stderr, re.M)
+    return "the loop test fails on the result: " + (", ".join(failed) or done.stderr.strip()[-200:])
+
+
 def rewrite(lines: Sequence[str], fix: Fix, *, revert: bool = False) -> str:
     """The file's text with every hunk swapped: release -> fixed, or back with revert."""
     pairs = [(h.after, h.before) if revert else (h.before, h.after) for h in fix.hunks]
@@ -889,8 +1048,11 @@ def compile_error(data: bytes, path: str) -> str | None:
 
 
 # What a run found and did: exit code, state, action (none, applied, reverted,
-# would-apply), the message, the diff used, and the file's bytes before and after.
-Report = namedtuple("Report", "code state action message diff before after", defaults=(None, None, None))
+# would-apply), the message, the diff used, the file's bytes before and after, and
+# whether the diff was placed by its own lines (adapted).
+Report = namedtuple(
+    "Report", "code state action message diff before after adapted", defaults=(None, None, None, False)
+)
 
 
 def refuse_a_shared_file(path: str) -> None:
@@ -912,15 +1074,15 @@ def refuse_a_shared_file(path: str) -> None:
     )
 
 
-def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
+def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = False) -> Report:
     real = os.path.realpath(path)  # a symlink within the tree stays a link; the file behind it changes
     directory = os.path.dirname(real)
     sources = sorted({path, real})  # Python caches bytecode by the path it imported
     data, text = read_target(real)
-    decision = decide(text, fixes)
+    decision, adaptation = decide_any(text, fixes, exact=exact)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
     if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
-        return settled(decision, revert, data, [])
+        return settled(decision, revert, data, [], adaptation)
     if decision.state == DRIFTED_STATE:
         return (not revert and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
     refuse_a_shared_file(path)
@@ -928,25 +1090,32 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
     with DirectoryLock(directory):
         remove_files(leftover_temp_files(directory))  # from a run that was killed
         data, text = read_target(real)  # another run may have finished meanwhile
-        decision = decide(text, fixes)
+        decision, adaptation = decide_any(text, fixes, exact=exact)
         if decision.state == wanted:
             stale = stale_bytecode_files(sources, data)
             kept = remove_files(stale)
             if kept:
                 return bytecode_kept(decision, revert, "none", data, data, kept)
-            return settled(decision, revert, data, stale)
+            return settled(decision, revert, data, stale, adaptation)
         if decision.state == DRIFTED_STATE:
             return drifted(path, data, text, fixes)
         assert text is not None and decision.fix is not None
         new = rewrite(split_lines(text), decision.fix, revert=revert).encode("utf-8")
         # Proven before the write, so that a write is never followed by "it did not work".
-        if decide(new.decode("utf-8"), fixes) != (wanted, decision.fix):
+        again, _ = decide_any(new.decode("utf-8"), fixes, exact=exact)
+        if (again.state, again.fix and again.fix.name) != (wanted, decision.fix.name):
             return drifted(path, data, text, fixes)
         error = compile_error(new, real)
         if error is not None:
             if compile_error(data, real) is not None:
                 return drifted(path, data, text, fixes, reason=f"the file does not compile as it stands: {error}")
+            if adaptation is not None:
+                return drifted(path, data, text, fixes, reason=f"{adapted_words(adaptation)}; but the result does not compile: {error}")
             raise Failure(BAD_BUNDLE, f"patches/{decision.fix.name} gives a file that does not compile: {error}")
+        if adaptation is not None and not revert:
+            failure = prove(new, real)
+            if failure is not None:
+                return drifted(path, data, text, fixes, reason=f"patches/{decision.fix.name} could be {adapted_words(adaptation)}; but {failure}")
         replace_file(real, new)
         failed = remove_files(bytecode_files(sources))  # an unchecked-hash .pyc would go on running the old code
         try:
@@ -966,16 +1135,18 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool) -> Report:
         kept = {pyc: failed[pyc] for pyc in stale_bytecode_files(sources, new) if pyc in failed}
         if kept:
             return bytecode_kept(decision, revert, action, data, new, kept)
-    message = f"{action} patches/{decision.fix.name} ({describe(installed_distribution(path))})"
-    return Report(OK, wanted, action, message, decision.fix.name, data, written)
+    how = f"; {adapted_words(adaptation)}; proven by the loop test" if adaptation and not revert else ""
+    message = f"{action} patches/{decision.fix.name} ({describe(installed_distribution(path))}){how}"
+    return Report(OK, wanted, action, message, decision.fix.name, data, written, adaptation is not None)
 
 
-def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str]) -> Report:
+def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str], adaptation=None) -> Report:
     cleaned = f", removed stale bytecode {', '.join(removed)}" if removed else ""
     if revert:
         return Report(OK, NOT_APPLIED_STATE, "none", f"not applied (nothing to revert{cleaned})", None, data, data)
-    message = f"already applied (patches/{decision.fix.name}{cleaned})"
-    return Report(OK, APPLIED_STATE, "none", message, decision.fix.name, data, data)
+    how = f"; {adapted_words(adaptation)}" if adaptation else ""
+    message = f"already applied (patches/{decision.fix.name}{how}{cleaned})"
+    return Report(OK, APPLIED_STATE, "none", message, decision.fix.name, data, data, adaptation is not None)
 
 
 def bytecode_kept(
@@ -1079,12 +1250,12 @@ def fork_note(distribution: Distribution | None) -> str:
     return ""
 
 
-def run_check(path: str, *, show_diff: bool) -> Report:
+def run_check(path: str, *, show_diff: bool, exact: bool = False) -> Report:
     data, text = read_target(path)
-    decision = None if show_diff else decide_by_hash(data)
+    decision, adaptation = (None if show_diff else decide_by_hash(data)), None
     if decision is None:
         fixes = read_bundle()
-        decision = decide(text, fixes)
+        decision, adaptation = decide_any(text, fixes, exact=exact)
     if decision.state == DRIFTED_STATE:
         return (not show_diff and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
     name = decision.fix.name
@@ -1095,18 +1266,26 @@ def run_check(path: str, *, show_diff: bool) -> Report:
                 f"stale bytecode {stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
             )
             return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, name, data, data)
+    adapted = adaptation is not None
+    how = f"; {adapted_words(adaptation)}" if adapted else ""
     if decision.state == APPLIED_STATE:
-        return Report(OK, APPLIED_STATE, "none", f"applied (patches/{name})", name, data, data)
+        return Report(OK, APPLIED_STATE, "none", f"applied (patches/{name}{how})", name, data, data, adapted)
     if not show_diff:
-        return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", f"not applied (patches/{name} fits)", name, data, data)
+        proof = "; apply.py proves it with the loop test before it writes" if adapted else ""
+        message = f"not applied (patches/{name} fits{how}{proof})"
+        return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, name, data, data, adapted)
     import difflib
 
     refuse_a_shared_file(path)  # what the real run would need: a diff it cannot write misleads
     check_writable(os.path.realpath(path))
     lines = split_lines(text)
     new_text = rewrite(lines, decision.fix)
+    if adapted:
+        failure = prove(new_text.encode("utf-8"), os.path.realpath(path))
+        if failure is not None:
+            return drifted(path, data, text, fixes, reason=f"patches/{name} could be {adapted_words(adaptation)}; but {failure}")
     change = "".join(difflib.unified_diff(lines, split_lines(new_text), f"a/{TARGET}", f"b/{TARGET}"))
-    return Report(OK, NOT_APPLIED_STATE, "would-apply", change, name, data, new_text.encode("utf-8"))
+    return Report(OK, NOT_APPLIED_STATE, "would-apply", change, name, data, new_text.encode("utf-8"), adapted)
 
 
 def run_verify(path: str, root: str | None) -> Report:
@@ -1139,12 +1318,12 @@ class UsageError(Exception):
 # Parsed by hand: argparse costs more than the rest of a --check run (~7 ms of
 # imports and gettext look-ups), and its usage errors exit 2, which means drifted.
 MODES = {"--check": "check", "--revert": "revert", "--diff": "diff", "--dry-run": "diff", "--verify": "verify"}
-Options = namedtuple("Options", "root mode json help pid")
+Options = namedtuple("Options", "root mode json help pid exact")
 
 
 def parse_args(argv: Sequence[str]) -> Options:
     root, mode, as_json, show_help = os.environ.get("GAUDI_FIXES_ROOT") or None, "apply", False, False
-    pid = None
+    pid, exact = None, False
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -1164,13 +1343,15 @@ def parse_args(argv: Sequence[str]) -> Options:
             mode = MODES[arg]
         elif arg == "--json":
             as_json = True
+        elif arg == "--exact":
+            exact = True
         else:
             raise UsageError(f"unknown argument {arg!r}")
     if pid and any(a == "--root" or a.startswith("--root=") for a in argv):
         raise UsageError("--pid cannot go with --root: the process says where its vllm is")
     if pid and mode == "verify":
         raise UsageError("--verify cannot go with --pid: run --verify with the server's Python")
-    return Options(None if pid else root, mode, as_json, show_help, pid)
+    return Options(None if pid else root, mode, as_json, show_help, pid, exact)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1195,9 +1376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.mode == "verify":
             report = run_verify(path, args.root)
         elif args.mode in ("check", "diff"):
-            report = run_check(path, show_diff=args.mode == "diff")
+            report = run_check(path, show_diff=args.mode == "diff", exact=args.exact)
         else:
-            report = run_change(path, read_bundle(), revert=args.mode == "revert")
+            report = run_change(path, read_bundle(), revert=args.mode == "revert", exact=args.exact)
     except Failure as e:
         report = Report(e.code, "error", "none", str(e))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM or SIGHUP during --verify (after its clean-up)
@@ -1264,6 +1445,7 @@ def print_json(report: Report, path: str | None) -> None:
         "distribution": distribution.name if distribution else None,
         "version": distribution.version if distribution else None,
         "diff": report.diff,
+        "adapted": report.adapted,
         "sha256_before": digest(report.before),
         "sha256_after": digest(report.after),
         "message": report.message,
