@@ -42,7 +42,10 @@ from collections.abc import Sequence
 TARGET = "vllm/v1/executor/multiproc_executor.py"
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE = os.path.join(HERE, "releases", "releases.tsv")
-INDEX_URL = "https://pypi.org/simple/vllm/"
+INDEX_URL = "https://pypi.org/simple/{project}/"
+# Real builds between releases that PyPI carries (nightlies of upstream main, vendor
+# builds): project, version, wheel, sha256 of TARGET, the diff that fits it, and what it is.
+BUILDS = os.path.join(HERE, "releases", "builds.tsv")
 TIMEOUT_SECONDS = 60
 
 # version, the diff in patches/ that fixes it, the sha256 of its TARGET and of the
@@ -92,16 +95,18 @@ def sha256(data: bytes) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def index_files() -> dict[str, dict]:
+def index_files(project: str = "vllm") -> dict[str, dict]:
     """filename -> the index's entry (url, size, hashes), from PyPI's JSON simple API."""
-    request = urllib.request.Request(INDEX_URL, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        INDEX_URL.format(project=project), headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=TIMEOUT_SECONDS) as response:
         return {entry["filename"]: entry for entry in json.load(response)["files"]}
 
 
-def index_entry(filename: str) -> dict:
+def index_entry(filename: str, project: str = "vllm") -> dict:
     try:
-        return index_files()[filename]
+        return index_files(project)[filename]
     except KeyError:
         raise LookupError(f"{filename} is not on the index") from None
 
@@ -212,8 +217,8 @@ def download(url: str, expected_sha256: str, into) -> None:
     into.seek(0)
 
 
-def read_from_wheel(filename: str, *, whole: bool = False, name: str = TARGET) -> bytes:
-    entry = index_entry(filename)
+def read_from_wheel(filename: str, *, whole: bool = False, name: str = TARGET, project: str = "vllm") -> bytes:
+    entry = index_entry(filename, project)
     if not whole:
         remote = io.BufferedReader(RemoteFile(entry["url"], entry["size"]), 1 << 16)
         return member_of_wheel(remote, filename, name)
@@ -275,6 +280,36 @@ def release_tree(version: str) -> str:
         cached_ok = False
     if not cached_ok:
         write_atomically(path, fetch(release))
+    return tree
+
+
+# project, version, wheel, sha256, diff, what (releases/builds.tsv)
+Build = namedtuple("Build", "project version wheel sha256 diff what")
+
+
+def read_builds(path: str = BUILDS) -> list[Build]:
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = [line for line in f if line.strip() and not line.startswith("#")]
+    header, *rows = list(csv.reader(lines, delimiter="\t"))
+    if tuple(header) != Build._fields:
+        raise ValueError(f"{path}: the header must be {' '.join(Build._fields)}, not {' '.join(header)}")
+    return [Build(*row) for row in rows]
+
+
+def build_tree(build: Build) -> str:
+    """The cached directory holding vllm/ for a build of builds.tsv, fetched on first use."""
+    tree = os.path.join(cache_dir(), "builds", f"{build.project}-{build.version}")
+    path = os.path.join(tree, TARGET)
+    try:
+        with open(path, "rb") as f:
+            if sha256(f.read()) == build.sha256:
+                return tree
+    except FileNotFoundError:
+        pass
+    data = read_from_wheel(build.wheel, project=build.project)
+    if sha256(data) != build.sha256:
+        raise ValueError(f"{TARGET} of {build.wheel} does not have the sha256 in releases/builds.tsv")
+    write_atomically(path, data)
     return tree
 
 
