@@ -1172,7 +1172,7 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
         f"  sha256 {hashlib.sha256(data).hexdigest()}, {describe(distribution)}\n"
         f"  tried: {', '.join(fix.name for fix in fixes)}\n"
         f"  {reason or drift_reason(data, text, fixes)}\n"
-        f"  next: {how_to_restore(distribution, path)}, or add a diff for it (README: Adding a release)"
+        f"  next: {how_to_restore(distribution, path)}, or add a diff for it (docs/releases.md: Adding a release)"
         + fork_note(distribution)
     )
     return Report(DRIFTED, DRIFTED_STATE, "none", message, None, data, data)

@@ -61,12 +61,20 @@ def test_table_and_bundle_agree():
         assert TABLE_ROWS[diff[1:-len(".diff")]].diff == diff, diff
 
 
-def test_readme_lists_what_the_table_says():
-    """README's release table, the one operators read, names each release's diff as the table does."""
+def test_readme_summary_says_what_the_table_says():
+    """README's first screen: the range of releases, how many, and how many diffs."""
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         readme = f.read()
+    versions = list(TABLE_ROWS)
+    summary = f"vLLM {versions[0]} through {versions[-1]}, post-releases included: {len(versions)} releases,"
+    assert f"{summary} {len(DIFFS)} diffs" in readme
+
+
+def test_release_page_lists_what_the_table_says():
+    """docs/releases.md's table, the one operators read, names each release's diff as the table does."""
+    with open(os.path.join(HERE, "docs", "releases.md"), encoding="utf-8") as f:
+        readme = f.read()
     section = readme[readme.index("## Releases") :]
-    section = section[: section.index("\n## ", 1)]
     listed = {}
     for row in re.findall(r"^\| (\d[^|]*) \| `patches/(v[^`]+\.diff)`", section, re.M):
         for version in row[0].split(", "):
