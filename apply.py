@@ -1137,7 +1137,33 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
             return bytecode_kept(decision, revert, action, data, new, kept)
     how = f"; {adapted_words(adaptation)}; proven by the loop test" if adaptation and not revert else ""
     message = f"{action} patches/{decision.fix.name} ({describe(installed_distribution(path))}){how}"
+    note = container_note(real)
+    message += f"; {note}" if note else ""
     return Report(OK, wanted, action, message, decision.fix.name, data, written, adaptation is not None)
+
+
+def container_note(path: str, root: str = "/") -> str | None:
+    """One line when the file just written lives in a container's own writable layer:
+    a restart of that container keeps it, a new container from the image does not."""
+    markers = (os.path.join(root, ".dockerenv"), os.path.join(root, "run", ".containerenv"))
+    inside = any(os.path.exists(marker) for marker in markers)
+    if not inside:
+        try:
+            with open(os.path.join(root, "proc", "1", "cgroup"), encoding="utf-8") as f:
+                groups = f.read()
+            inside = any(word in groups for word in ("docker", "kubepods", "containerd", "libpod", "lxc"))
+        except OSError:
+            pass
+    try:
+        on_its_root = os.stat(path).st_dev == os.stat(root).st_dev  # not a volume mounted into it
+    except OSError:
+        return None
+    if inside and on_its_root:
+        return (
+            "in a container: this change lives in this container only, and a new container from its image runs"
+            " the release again; bake the fix into the image (README: Containers)"
+        )
+    return None
 
 
 def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str], adaptation=None) -> Report:

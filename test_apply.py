@@ -478,7 +478,7 @@ def test_a_build_between_releases_is_fixed_by_the_diffs_own_lines(case, make_tre
 
     assert apply.main(["--root", root, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["adapted"] and report["message"].endswith("; proven by the loop test"), report
+    assert report["adapted"] and "; proven by the loop test" in report["message"], report
     assert apply.main(["--root", root, "--check"]) == 0
     assert apply.main(["--root", root]) == 0 and "already applied" in capsys.readouterr().out
     # The loop test, as an operator runs it, on what was written.
@@ -1214,6 +1214,44 @@ def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tm
         assert (report["state"], report["action"], report["diff"]) == (state, "none", None), report
         assert read(target(root)) == data
     assert apply.main(["--root", root, "--revert"]) == 2, "not this bundle's to revert"
+
+
+@pytest.mark.parametrize("marker", [".dockerenv", "run/.containerenv", "proc/1/cgroup"])
+def test_a_write_inside_a_container_says_where_it_lives(marker, tmp_path):
+    """A container's writable layer: a new container from the image runs the release again."""
+    root = tmp_path / "container-root"
+    (root / marker).parent.mkdir(parents=True, exist_ok=True)
+    (root / marker).write_text("0::/kubepods/besteffort/pod1\n" if marker.endswith("cgroup") else "")
+    written = root / "opt" / "multiproc_executor.py"
+    written.parent.mkdir(parents=True)
+    written.write_text("")
+    note = apply.container_note(str(written), root=str(root))
+    assert note.startswith("in a container: this change lives in this container only")
+
+
+def test_no_container_note_on_a_host_or_a_volume(tmp_path):
+    host = tmp_path / "host-root"
+    (host / "proc" / "1").mkdir(parents=True)
+    (host / "proc" / "1" / "cgroup").write_text("0::/init.scope\n")
+    written = host / "multiproc_executor.py"
+    written.write_text("")
+    assert apply.container_note(str(written), root=str(host)) is None
+    (host / ".dockerenv").write_text("")
+    volume = tempfile.mkdtemp(dir="/dev/shm")  # another file system than the container's root
+    try:
+        assert os.stat(volume).st_dev != os.stat(host).st_dev
+        assert apply.container_note(volume, root=str(host)) is None, "a volume outlives the container"
+    finally:
+        os.rmdir(volume)
+
+
+def test_the_run_reports_the_container_note_where_there_is_one(make_tree, capsys):
+    """On a machine that is itself a container (CI's is: it has /.dockerenv), the report says so."""
+    root = make_tree("0.30.0")
+    assert apply.main(["--root", root, "--json"]) == 0
+    message = json.loads(capsys.readouterr().out)["message"]
+    note = apply.container_note(target(root))
+    assert (note in message) if note else ("in a container" not in message)
 
 
 def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
