@@ -82,6 +82,37 @@ def layout_args(layout: str, workdir: str) -> list[str]:
     return args
 
 
+def server_command(python: str, model: str, workdir: str, layout: str, port: int) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, *layout_args(layout, workdir),
+        "--distributed-executor-backend", "mp",
+        # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
+        "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+
+
+def server_env(workdir: str, trigger: str) -> dict[str, str]:
+    """The server's environment: its temporary files in workdir, the fault plugin loaded."""
+    tmp = os.path.join(workdir, "tmp")
+    os.makedirs(tmp, exist_ok=True)
+    return {
+        **os.environ,
+        "TMPDIR": tmp,  # vLLM's zmq sockets and scratch files
+        "VLLM_RPC_BASE_PATH": tmp,
+        "PYTHONPATH": os.pathsep.join(p for p in (FAULT_PLUGIN, os.environ.get("PYTHONPATH")) if p),
+        "RANK_FAULT_TRIGGER": trigger,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # "auto" refuses TP=2 on one NUMA node; one core for each rank.
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 class Server:
     """One `python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
 
@@ -98,33 +129,11 @@ class Server:
     # --- process -------------------------------------------------------------------
 
     def start(self) -> None:
-        tmp = os.path.join(self.workdir, "tmp")
-        os.makedirs(tmp, exist_ok=True)
-        env = {
-            **os.environ,
-            "TMPDIR": tmp,  # vLLM's zmq sockets and scratch files
-            "VLLM_RPC_BASE_PATH": tmp,
-            "PYTHONPATH": os.pathsep.join(p for p in (FAULT_PLUGIN, os.environ.get("PYTHONPATH")) if p),
-            "RANK_FAULT_TRIGGER": self.trigger,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            # "auto" refuses TP=2 on one NUMA node; one core for each rank.
-            "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
         self.shm_before = shm_entries()
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.proc = subprocess.Popen(
-            [
-                self.python, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.model, *layout_args(self.layout, self.workdir),
-                "--distributed-executor-backend", "mp",
-                # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
-                "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
-                "--host", "127.0.0.1", "--port", str(self.port),
-            ],
-            env=env,
+            server_command(self.python, self.model, self.workdir, self.layout, self.port),
+            env=server_env(self.workdir, self.trigger),
             cwd=self.workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

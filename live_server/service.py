@@ -1,0 +1,84 @@
+"""The live test's vLLM server as a service a fleet tool restarts: test-only.
+
+    python3 service.py start STATE_DIR PYTHON MODEL PORT   # start, detached; remember how
+    python3 service.py restart STATE_DIR                   # stop it, start it again the same way
+    python3 service.py stop STATE_DIR
+
+What systemd or a container runtime does for a real server, for the fleet test's
+playbook: the server runs in a session of its own, detached from whoever started it
+(the playbook's ssh session ends at once), logging to STATE_DIR/server.log. Each start
+appends the new server's pid to STATE_DIR/starts, which the test reads to tell
+whether, and how often, a host's server was restarted. Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from server import group_alive, server_command, server_env  # noqa: E402
+
+
+def start(state: str, python: str, model: str, port: int) -> int:
+    os.makedirs(state, exist_ok=True)
+    with open(os.path.join(state, "service.json"), "w") as f:
+        json.dump({"python": python, "model": model, "port": port}, f)
+    with open(os.path.join(state, "server.log"), "a") as log:
+        process = subprocess.Popen(
+            server_command(python, model, state, "tp", port),
+            env=server_env(state, os.path.join(state, "fault")),
+            cwd=state,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    with open(os.path.join(state, "pid"), "w") as f:
+        f.write(str(process.pid))
+    with open(os.path.join(state, "starts"), "a") as f:
+        f.write(f"{process.pid}\n")
+    return process.pid
+
+
+def stop(state: str) -> None:
+    try:
+        with open(os.path.join(state, "pid")) as f:
+            pid = int(f.read())
+    except (FileNotFoundError, ValueError):
+        return
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and group_alive(pid):
+            time.sleep(0.1)
+    os.unlink(os.path.join(state, "pid"))
+
+
+def main(argv: list[str]) -> int:
+    command, state = argv[0], argv[1]
+    if command == "start":
+        start(state, argv[2], argv[3], int(argv[4]))
+    elif command == "restart":
+        with open(os.path.join(state, "service.json")) as f:
+            how = json.load(f)
+        stop(state)
+        start(state, how["python"], how["model"], how["port"])
+    elif command == "stop":
+        stop(state)
+    else:
+        print(f"service.py: unknown command {command!r}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
