@@ -65,6 +65,13 @@ def add_dist_info(site: str, name: str, version: str, owns: str = "vllm", info: 
     return info
 
 
+def add_egg_info(info: str, version: str) -> None:
+    """An egg's metadata (EGG-INFO in a .egg, NAME.egg-info beside a develop checkout's vllm/)."""
+    os.makedirs(info)
+    write(os.path.join(info, "PKG-INFO"), f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n\nabout\n".encode())
+    write(os.path.join(info, "top_level.txt"), b"vllm\n")
+
+
 def with_header(body: str) -> str:
     """A diff as scripts/make_diff.py writes it: the digest of the rest on its first line."""
     return f"{apply.DIFF_HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
@@ -1101,10 +1108,7 @@ def test_of_two_installs_that_claim_vllm_the_last_is_named(make_tree, capsys):
 def test_an_egg_names_its_distribution(make_tree, capsys):
     """An egg (easy_install, setup.py install) keeps its metadata in EGG-INFO beside vllm/."""
     egg = make_tree("0.30.0", name="vllm-0.30.0-py3.11.egg")
-    info = os.path.join(egg, "EGG-INFO")
-    os.makedirs(info)
-    write(os.path.join(info, "PKG-INFO"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n\nabout\n")
-    write(os.path.join(info, "top_level.txt"), b"vllm\n")
+    add_egg_info(os.path.join(egg, "EGG-INFO"), "0.30.0")
     assert apply.main(["--root", egg, "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert (report["distribution"], report["version"]) == ("vllm", "0.30.0")
@@ -1143,10 +1147,7 @@ def test_an_editable_checkout_is_restored_from_its_commit(make_tree, capsys):
     with the build's metadata beside vllm/."""
     checkout = make_tree("0.30.0", name="vllm-src")
     os.makedirs(os.path.join(checkout, ".git"))
-    info = os.path.join(checkout, "vllm.egg-info")
-    os.makedirs(info)
-    write(os.path.join(info, "PKG-INFO"), b"Metadata-Version: 2.1\nName: vllm\nVersion: 0.14.0rc1.dev165+gb3a2bdf1a.empty\n\n")
-    write(os.path.join(info, "top_level.txt"), b"vllm\n")
+    add_egg_info(os.path.join(checkout, "vllm.egg-info"), "0.14.0rc1.dev165+gb3a2bdf1a.empty")
     assert apply.main(["--root", checkout, "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert (report["distribution"], report["version"]) == ("vllm", "0.14.0rc1.dev165+gb3a2bdf1a.empty")
