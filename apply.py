@@ -1084,7 +1084,8 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
     if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
         return settled(decision, revert, data, [], adaptation)
     if decision.state == DRIFTED_STATE:
-        return (not revert and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
+        judged = not (revert or exact) and by_behaviour(path, data, text, fixes)
+        return judged or drifted(path, data, text, fixes)
     refuse_a_shared_file(path)
 
     with DirectoryLock(directory):
@@ -1283,7 +1284,8 @@ def run_check(path: str, *, show_diff: bool, exact: bool = False) -> Report:
         fixes = read_bundle()
         decision, adaptation = decide_any(text, fixes, exact=exact)
     if decision.state == DRIFTED_STATE:
-        return (not show_diff and by_behaviour(path, data, text, fixes)) or drifted(path, data, text, fixes)
+        judged = not (show_diff or exact) and by_behaviour(path, data, text, fixes)
+        return judged or drifted(path, data, text, fixes)
     name = decision.fix.name
     if decision.state == APPLIED_STATE and not show_diff:
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data)

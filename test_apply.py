@@ -1215,6 +1215,7 @@ def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tm
         assert (report["state"], report["action"], report["diff"]) == (state, "none", None), report
         assert read(target(root)) == data
     assert apply.main(["--root", root, "--revert"]) == 2, "not this bundle's to revert"
+    assert apply.main(["--root", root, "--exact", "--check"]) == 2, "--exact: a release's functions only"
 
 
 @pytest.mark.parametrize("marker", [".dockerenv", "run/.containerenv", "proc/1/cgroup"])
