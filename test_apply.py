@@ -388,9 +388,9 @@ DRIFTS = {
         f"line {line_after_release(SETATTR, SETATTR.decode().strip())} rebinds WorkerProc._execute_worker_rpc"]),
     "class-rebound": ("0.30.0", lambda d: d + CLASS_REBOUND, lambda: [
         f"line {line_after_release(CLASS_REBOUND, 'WorkerProc = VendorProc')} rebinds WorkerProc:"]),
-    "method-defined-twice": ("0.30.0", lambda d: d.replace(b"    def _execute_worker_rpc(",
+    "method-defined-twice": ("0.30.0", lambda d: d.replace(b"    READY_STR = ",
                                                            b"    def _execute_worker_rpc(self, *a):\n        pass\n\n"
-                                                           b"    def _execute_worker_rpc(", 1),
+                                                           b"    READY_STR = ", 1),
                              lambda: ["defines WorkerProc._execute_worker_rpc again (first at line "]),
 }
 

