@@ -271,6 +271,10 @@ class StandInModelWorker:
         emit(ran="sample_tokens")
         return "token-7"
 
+    def compile_or_warm_up_model(self, _):
+        emit(ran="compile_or_warm_up_model")
+        raise RuntimeError("warm-up failed: device out of memory")
+
 
 def pickled_step(worker):
     emit(ran="pickled_step")
@@ -614,6 +618,20 @@ class WorkerLoopTest(unittest.TestCase):
         self.assertEqual(outcome.replies, [{"reply": "failure", "message": "device out of memory during prefill"}])
         [line] = outcome.error_lines() or [str(outcome)]
         self.assertRegex(line, r"\bRank 3 failed execute_model\b.*\bexit")
+
+    def test_failing_all_rank_start_up_call_replies_then_exits(self):
+        # A start-up call (warm-up, memory profiling, KV cache set-up) that every rank
+        # answers: a rank stuck in a collective with the failed one would hold the
+        # server's start for good, as these calls have no timeout.
+        if not has_sample_tokens(self.target):
+            return  # the fix covers start-up calls from 0.11.1
+        outcome = self.run_case(2, [{"method": "compile_or_warm_up_model", "output_rank": None},
+                                    {"method": "pickled_step", "output_rank": None, "pickled": True}])
+        self.assertEqual(outcome.returncode, 1, f"the worker must exit with status 1: {outcome}")
+        self.assertEqual(outcome.ran, ["compile_or_warm_up_model"], str(outcome))
+        self.assertEqual(outcome.replies, [{"reply": "failure", "message": "warm-up failed: device out of memory"}])
+        [line] = outcome.error_lines() or [str(outcome)]
+        self.assertRegex(line, r"\bRank 2 failed compile_or_warm_up_model\b.*\bexit")
 
     def assert_step_fails_its_sampling(self, outcome, rank):
         """A rank that returned its execute_model failure answers that step's

@@ -124,6 +124,7 @@ def test_release_is_fixed_and_proven(version, make_tree, capsys):
         # A rank other than 0 that fails a step every rank answers serves on, and a read
         # that shutdown() cancels ends with the cancellation, not the worker's failure.
         assert re.search(r"^test_failing_all_rank_step_replies_then_exits .*\.\.\. FAIL$", pristine.stderr, re.M)
+        assert re.search(r"^test_failing_all_rank_start_up_call_replies_then_exits .*\.\.\. FAIL$", pristine.stderr, re.M)
         assert re.search(r"^FAIL: test_a_failed_step_ends_with_the_workers_error ", pristine.stderr, re.M)
 
 

@@ -180,14 +180,14 @@ def flush(module) -> dict:
             replies = []
             while True:
                 try:
-                    status, value = response.dequeue(timeout=3)
+                    status, value = response.dequeue(timeout=2)
                 except TimeoutError:
                     break
                 except Exception as e:
                     replies.append(f"{type(e).__name__}: {e}")
                     break
                 replies.append(f"{status.name} {len(value)} bytes" if isinstance(value, bytes) else f"{status.name} {value}")
-            worker.join(5)
+            worker.join(1)  # the fix exits at once; the release serves on
             if worker.is_alive():
                 worker.kill()
                 worker.join()

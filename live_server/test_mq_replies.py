@@ -63,10 +63,11 @@ def run(python: str, executor_file: str, mode: str) -> dict:
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("state", ["release", "fixed"])
-def test_every_reply_of_a_healthy_step_arrives(install, state):
+def test_every_reply_of_a_healthy_step_arrives(install):
+    # The release reads the same way: not run here again (the fix's earlier poll lost
+    # one of these 8 steps; the stdlib test checks that a healthy read is the release's).
     python, files = install
-    result = run(python, files[state], "steps")
+    result = run(python, files["fixed"], "steps")
     assert result == {"steps": 8, "errors": []}, result
 
 
