@@ -167,7 +167,7 @@ def locate_for_process(pid: str) -> str:
 
     proc = f"/proc/{pid}"
     try:
-        python = os.readlink(f"{proc}/exe")
+        exe = os.readlink(f"{proc}/exe")
         cwd = os.readlink(f"{proc}/cwd")
         with open(f"{proc}/environ", "rb") as f:
             environ = dict(entry.partition(b"=")[::2] for entry in f.read().split(b"\0") if b"=" in entry)
@@ -177,17 +177,23 @@ def locate_for_process(pid: str) -> str:
         raise Failure(TARGET_NOT_FOUND, f"no process {pid}: --pid takes the id of the running vLLM server") from None
     except OSError as e:
         raise Failure(CANNOT_READ_OR_WRITE, f"cannot read process {pid}: {e.strerror}; run as its user or as root") from None
-    if not os.path.basename(python).startswith("python"):
+    if not os.path.basename(exe).startswith("python"):
         raise Failure(
             TARGET_NOT_FOUND,
-            f"process {pid} runs {python}, not Python: give the id of one of the vLLM server's Python processes",
+            f"process {pid} runs {exe}, not Python: give the id of one of the vLLM server's Python processes",
         )
-    flags, first = interpreter_view(command, cwd)
+    deleted = cwd.endswith(" (deleted)")
+    if deleted:  # an empty directory since removed: Python finds nothing there
+        cwd = cwd[: -len(" (deleted)")]
+    python = interpreter_as_run(pid, exe, command, cwd, environ)
+    flags, first, prefix = interpreter_view(command, cwd)
+    if not first:  # -c or stdin: "" on sys.path, the working directory, even once removed
+        first = f"{proc}/cwd" if deleted else cwd
     try:
         found = subprocess.run(
             [python, *flags, "-c", LOCATE_AS_PROCESS, os.path.realpath(__file__), first],
             env={os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()},
-            cwd=cwd,
+            cwd=f"{proc}/cwd" if deleted else cwd,  # the removed directory is still its working directory
             capture_output=True,
             text=True,
             timeout=60,
@@ -198,24 +204,75 @@ def locate_for_process(pid: str) -> str:
         message = found.stderr.strip().splitlines()[-1:] or [f"exit status {found.returncode}"]
         code = found.returncode if found.returncode in (TARGET_NOT_FOUND, NOT_A_SOURCE_FILE) else TARGET_NOT_FOUND
         raise Failure(code, f"as process {pid} ({python}, in {cwd}) would import it: {message[0]}")
-    if environ.get(b"PYTHONPYCACHEPREFIX"):  # where that process caches bytecode
-        sys.pycache_prefix = os.path.join(cwd, os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"]))
+    if prefix is None and environ.get(b"PYTHONPYCACHEPREFIX") and not {"-E", "-I"} & set(flags):
+        prefix = os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"])
+    if prefix:  # where that process caches bytecode
+        sys.pycache_prefix = os.path.join(cwd, prefix)
     return found.stdout.strip()
 
 
-def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str]:
-    """From a Python command line: the flags that change what it imports, and its
-    sys.path[0] (the script's directory, or the working directory for -m and -c)."""
-    flags, args = [], list(command[1:])
+def interpreter_as_run(pid: str, exe: str, command: Sequence[str], cwd: str, environ: dict) -> str:
+    """The interpreter's path as the process was started by it. /proc/PID/exe names the
+    file that runs, which for a virtualenv's bin/python (a symlink) is the base
+    interpreter; but Python finds its virtualenv (pyvenv.cfg) beside the path it was
+    started by: its argv[0], found as exec found it, in the working directory or on the
+    PATH of its environment."""
+    name = command[0] if command else ""
+    if "/" in name:
+        candidates = [os.path.join(cwd, name)]
+    elif name:
+        path = os.fsdecode(environ.get(b"PATH", b"")) or os.defpath
+        candidates = [os.path.join(cwd, directory, name) for directory in path.split(os.pathsep)]
+    else:
+        candidates = []
+    for candidate in candidates:
+        try:
+            if os.path.samestat(os.stat(candidate), os.stat(f"/proc/{pid}/exe")):
+                return os.path.normpath(candidate)
+        except OSError:
+            continue
+    raise Failure(
+        TARGET_NOT_FOUND,
+        f"process {pid} runs {exe}, but its command line does not name it ({name!r}: a title the program set,"
+        " as vLLM's engine and workers set theirs, or an interpreter replaced since it started), so which"
+        " environment it runs in cannot be told: give the id of the server's main process (python -m vllm...,"
+        " vllm serve), or restart it",
+    )
+
+
+def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str, str | None]:
+    """From a Python command line: the flags that change what it imports, its sys.path[0]
+    (the script's directory; a directory or zip run as a script itself; the working
+    directory's path for -m; "" for -c, the working directory itself), and its -X pycache_prefix (None if not given)."""
+    flags, args, prefix = [], list(command[1:]), None
     while args and args[0].startswith("-") and args[0] not in ("-", "-m", "-c"):
         arg = args.pop(0)
-        if arg in ("-W", "-X", "--check-hash-based-pycs") and args:
-            args.pop(0)  # its value
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            value = args.pop(0) if args else ""
+        else:
+            value = arg[2:] if arg[:2] in ("-W", "-X") else None
+        if value is not None:
+            if arg.startswith("-X") and value.startswith("pycache_prefix="):
+                prefix = value.partition("=")[2]
         elif arg.lstrip("-") and set(arg[1:]) <= set("IEsSPbBdOquvx"):
             flags += [f"-{letter}" for letter in arg[1:] if letter in "IEsSP"]
-    if not args or args[0] in ("-", "-m", "-c"):
-        return flags, cwd
-    return flags, os.path.dirname(os.path.realpath(os.path.join(cwd, args[0])))
+    if not args or args[0] in ("-", "-c"):
+        return flags, "", prefix
+    if args[0] == "-m":
+        return flags, cwd, prefix
+    script = os.path.join(cwd, args[0])
+    if os.path.isdir(script) or is_zip(script):  # run as a package: its __main__.py
+        return flags, os.path.normpath(script), prefix
+    return flags, os.path.dirname(os.path.realpath(script)), prefix
+
+
+def is_zip(path: str) -> bool:
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
 
 
 # name and version of the distribution that installed the vllm package: vllm,

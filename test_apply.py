@@ -92,6 +92,7 @@ def leftovers(root: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def no_environment_root(monkeypatch):
     monkeypatch.delenv("GAUDI_FIXES_ROOT", raising=False)
+    monkeypatch.setattr(sys, "pycache_prefix", sys.pycache_prefix)  # --pid sets the server's
 
 
 @pytest.mark.parametrize("version", SHAPES)
@@ -210,22 +211,59 @@ def test_a_namespace_portion_without_the_executor(tmp_path, make_tree, monkeypat
     assert json.loads(capsys.readouterr().out)["path"] == target(second)
 
 
+SLEEP = "import time; time.sleep(600)"
+
+
 @pytest.fixture
 def server_stand_in():
-    """start(cwd, env) -> the pid of a real Python process, started as a server may be
-    (`python -c`, here: its working directory first on sys.path); ended after the test."""
+    """start(cwd, env, command) -> the pid of a real Python process, started as a server may
+    be (by default `python -c`: its working directory first on sys.path), in a session of its
+    own as a service manager starts one; ended after the test."""
     started = []
 
-    def start(cwd: str, env: dict | None = None) -> int:
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], cwd=cwd,
-                                   env={**os.environ, **(env or {})})
+    def start(cwd: str, env: dict | None = None, command: list[str] | None = None) -> int:
+        process = subprocess.Popen(command or [sys.executable, "-c", SLEEP], cwd=cwd,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
         started.append(process)
+        wait_until_started(process.pid)
         return process.pid
 
     yield start
     for process in started:
         process.kill()
         process.wait()
+
+
+def wait_until_started(pid: int) -> None:
+    """Until exec has given the process its command line: Popen returns within exec, a
+    moment before."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read():
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not start"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def venv(tmp_path) -> tuple[str, str]:
+    """(its python, its site-packages): a real virtualenv, made by `python -m venv`, whose
+    bin/python is a link to the base interpreter."""
+    where = str(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", where], check=True)
+    python = os.path.join(where, "bin", "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return python, site
+
+
+def install_release(site: str, version: str) -> str:
+    """A release's real file in site (a site-packages or any directory on sys.path): its path."""
+    path = os.path.join(site, TARGET)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write(path, release_bytes(version))
+    return path
 
 
 def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, server_stand_in, capsys):
@@ -258,6 +296,96 @@ def test_pid_errors(args, code, capsys):
     assert apply.main(args) == code
     err = capsys.readouterr().err
     assert err.startswith("apply.py: ") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("started_as", ["path", "name-on-its-PATH", "relative"])
+def test_pid_of_a_server_in_a_virtualenv(started_as, venv, server_stand_in, tmp_path, capsys):
+    """/proc/PID/exe names the base interpreter that the venv's bin/python links to; the
+    server imports from the venv's site-packages, found by the path it was started by."""
+    python, site = venv
+    path = install_release(site, "0.30.0")
+    bin_dir = os.path.dirname(python)
+    argv0, cwd, env = {
+        "path": (python, "/", {}),
+        "name-on-its-PATH": ("python", "/", {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}),
+        "relative": (os.path.join("bin", "python"), os.path.dirname(bin_dir), {}),
+    }[started_as]
+    pid = server_stand_in(cwd, env, [argv0, "-c", SLEEP])
+    assert os.path.realpath(f"/proc/{pid}/exe") != python and os.path.islink(python)
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["path"] == path
+    assert apply.main(["--pid", str(pid)]) == 0
+    assert read(path) == patched_bytes("0.30.0", tmp_path)
+
+
+def test_pid_of_a_process_whose_title_hides_its_interpreter(venv, tmp_path, capsys):
+    """A title set in place of the command line (vLLM names its engine and workers so):
+    which venv the process runs in cannot be told, and the base interpreter's packages are
+    not what it imports."""
+    python, site = venv
+    install_release(site, "0.30.0")
+    titled = subprocess.Popen(["VLLM::EngineCore", "-c", SLEEP], executable=python, start_new_session=True)
+    try:
+        wait_until_started(titled.pid)
+        assert apply.main(["--pid", str(titled.pid), "--check"]) == 3
+        err = capsys.readouterr().err
+        assert "but its command line does not name it ('VLLM::EngineCore'" in err and len(err.splitlines()) == 1
+    finally:
+        titled.kill()
+        titled.wait()
+
+
+def test_pid_of_a_server_whose_working_directory_was_removed(make_tree, server_stand_in, tmp_path, capsys):
+    tree = make_tree("0.30.0")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    pid = server_stand_in(str(gone), {"PYTHONPATH": tree})
+    gone.rmdir()
+    assert os.readlink(f"/proc/{pid}/cwd").endswith(" (deleted)")
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["path"] == target(tree)
+    assert apply.main(["--pid", str(pid)]) == 0
+    assert read(target(tree)) == patched_bytes("0.30.0", tmp_path)
+
+
+@pytest.mark.parametrize("form", ["directory", "zip"])
+def test_pid_of_a_server_run_as_a_directory_or_zip(form, make_tree, server_stand_in, tmp_path, capsys):
+    """`python /srv/app`: CPython puts /srv/app itself first on sys.path (a zip too), not
+    /srv, where a fixed copy stands beside it."""
+    srv = make_tree("0.30.0", name="srv")
+    assert apply.main(["--root", srv]) == 0  # /srv/vllm: fixed
+    app = tmp_path / "app"
+    install_release(str(app), "0.30.0")  # /srv/app/vllm: vendored, the release's
+    (app / "__main__.py").write_text(SLEEP + "\n")
+    script = str(app)
+    if form == "zip":
+        script = shutil.make_archive(str(tmp_path / "app"), "zip", app)
+        shutil.rmtree(app)
+    shutil.move(script, srv)
+    script = os.path.join(srv, os.path.basename(script))
+    capsys.readouterr()
+    pid = server_stand_in("/", None, [sys.executable, script])
+    if form == "directory":
+        assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["path"] == os.path.join(script, TARGET)
+    else:
+        assert apply.main(["--pid", str(pid), "--check"]) == 10
+        assert f"Python imports vllm's executor from {script}/{TARGET}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["-X pycache_prefix=DIR", "-Xpycache_prefix=DIR"])
+def test_pid_of_a_server_with_a_pycache_prefix_on_its_command_line(given, make_tree, server_stand_in, tmp_path, capsys):
+    """The release's unchecked .pyc under the prefix the server's -X option names would run."""
+    tree = make_tree("0.30.0")
+    prefix = tmp_path / "pycache"
+    option = given.replace("DIR", str(prefix)).split(" ")
+    subprocess.run([sys.executable, *option, "-c", UNCHECKED, target(tree)], check=True)
+    [pyc] = [os.path.join(d, n) for d, _, names in os.walk(prefix) for n in names]
+    write(target(tree), patched_bytes("0.30.0", tmp_path))
+    pid = server_stand_in("/", {"PYTHONPATH": tree}, [sys.executable, *option, "-c", SLEEP])
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith(f"stale bytecode {pyc} would run instead of the fixed source")
+    assert apply.main(["--pid", str(pid)]) == 0 and not os.path.exists(pyc)
 
 
 def compiled_beside_the_source(root: str) -> str:
