@@ -36,6 +36,8 @@ exit codes:
   9  the target was written, then read back changed by another program: run again
  10  Python imports the executor from a compiled module or a zip, not a source file
  11  --verify: the check could not run (its harness failed before a verdict)
+ 12  --pid: the process runs in another mount namespace (a container seen from
+     the host): run apply.py inside it; nothing was checked or written
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ DIFF_HEADER = "# sha256 of the lines below: "
 OK, NOT_APPLIED, DRIFTED = 0, 1, 2
 TARGET_NOT_FOUND, CANNOT_READ_OR_WRITE, BAD_BUNDLE, USAGE = 3, 4, 5, 6
 VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE, NOT_A_SOURCE_FILE = 7, 8, 9, 10
-VERIFY_CANNOT_RUN = 11
+VERIFY_CANNOT_RUN, OTHER_MOUNT_NAMESPACE = 11, 12
 
 APPLIED_STATE, NOT_APPLIED_STATE, DRIFTED_STATE = "applied", "not-applied", "drifted"
 
@@ -173,6 +175,7 @@ def locate_for_process(pid: str) -> str:
             environ = dict(entry.partition(b"=")[::2] for entry in f.read().split(b"\0") if b"=" in entry)
         with open(f"{proc}/cmdline", "rb") as f:
             command = [os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1]]
+        namespace = os.readlink(f"{proc}/ns/mnt")
     except FileNotFoundError:
         raise Failure(TARGET_NOT_FOUND, f"no process {pid}: --pid takes the id of the running vLLM server") from None
     except OSError as e:
@@ -181,6 +184,15 @@ def locate_for_process(pid: str) -> str:
         raise Failure(
             TARGET_NOT_FOUND,
             f"process {pid} runs {exe}, not Python: give the id of one of the vLLM server's Python processes",
+        )
+    if namespace != os.readlink("/proc/self/ns/mnt"):
+        # Its paths name other files than the same paths here: the host's copy would be
+        # checked, or written, in place of the container's.
+        raise Failure(
+            OTHER_MOUNT_NAMESPACE,
+            f"process {pid} runs in another mount namespace (a container): the files at its paths here are not"
+            " the ones it imports; nothing was checked or written. Run apply.py inside it (docker exec, kubectl"
+            " exec) with the server's Python",
         )
     deleted = cwd.endswith(" (deleted)")
     if deleted:  # an empty directory since removed: Python finds nothing there
