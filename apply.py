@@ -1215,8 +1215,15 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
 def container_note(path: str, root: str = "/") -> str | None:
     """One line when the file just written lives in a container's own writable layer:
     a restart of that container keeps it, a new container from the image does not."""
-    markers = (os.path.join(root, ".dockerenv"), os.path.join(root, "run", ".containerenv"))
-    inside = any(os.path.exists(marker) for marker in markers)
+    markers = (
+        os.path.join(root, ".dockerenv"),
+        os.path.join(root, "run", ".containerenv"),
+        # A Kubernetes pod's service-account mount: containerd and CRI-O leave no marker
+        # file, and on cgroup v2 PID 1's cgroup reads "0::/".
+        os.path.join(root, "var", "run", "secrets", "kubernetes.io"),
+        os.path.join(root, "run", "secrets", "kubernetes.io"),
+    )
+    inside = any(os.path.exists(marker) for marker in markers) or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     if not inside:
         try:
             with open(os.path.join(root, "proc", "1", "cgroup"), encoding="utf-8") as f:
@@ -1224,6 +1231,7 @@ def container_note(path: str, root: str = "/") -> str | None:
             inside = any(word in groups for word in ("docker", "kubepods", "containerd", "libpod", "lxc"))
         except OSError:
             pass
+    inside = inside or root_is_overlay(root)
     try:
         on_its_root = os.stat(path).st_dev == os.stat(root).st_dev  # not a volume mounted into it
     except OSError:
@@ -1234,6 +1242,17 @@ def container_note(path: str, root: str = "/") -> str | None:
             " the release again; bake the fix into the image (README: Containers)"
         )
     return None
+
+
+def root_is_overlay(root: str) -> bool:
+    """Whether this process's / is an overlay mount, as a container's image layers are."""
+    try:
+        with open(os.path.join(root, "proc", "self", "mountinfo"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    types = [line.partition(" - ")[2].split(" ")[0] for line in lines if line.split(" ")[4:5] == ["/"]]
+    return bool(types) and types[-1] == "overlay"  # the last mount on / is the one seen
 
 
 def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str], adaptation=None) -> Report:

@@ -1390,10 +1390,41 @@ def test_a_write_inside_a_container_says_where_it_lives(marker, tmp_path):
     assert note.startswith("in a container: this change lives in this container only")
 
 
-def test_no_container_note_on_a_host_or_a_volume(tmp_path):
+HOST_MOUNTINFO = "22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw\n"
+POD_MOUNTINFO = (
+    "1291 1163 0:187 / / rw,relatime master:474 - overlay overlay rw,lowerdir=/var/lib/containerd/a:/var/lib/"
+    "containerd/b,upperdir=/var/lib/containerd/c/fs,workdir=/var/lib/containerd/c/work\n"
+    "1292 1291 0:190 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw\n"
+)
+
+
+@pytest.mark.parametrize("sign", ["overlay-root", "service-account", "KUBERNETES_SERVICE_HOST"])
+def test_a_write_in_a_kubernetes_pod_on_cgroup_v2_says_where_it_lives(sign, tmp_path, monkeypatch):
+    """containerd and CRI-O leave no marker file, and PID 1's cgroup reads "0::/" there."""
+    root = tmp_path / "pod-root"
+    (root / "proc" / "1").mkdir(parents=True)
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "1" / "cgroup").write_text("0::/\n")
+    (root / "proc" / "self" / "mountinfo").write_text(POD_MOUNTINFO if sign == "overlay-root" else HOST_MOUNTINFO)
+    if sign == "service-account":
+        (root / "var" / "run" / "secrets" / "kubernetes.io" / "serviceaccount").mkdir(parents=True)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    if sign == "KUBERNETES_SERVICE_HOST":
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    written = root / "opt" / "multiproc_executor.py"
+    written.parent.mkdir(parents=True)
+    written.write_text("")
+    note = apply.container_note(str(written), root=str(root))
+    assert note and note.startswith("in a container: this change lives in this container only")
+
+
+def test_no_container_note_on_a_host_or_a_volume(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     host = tmp_path / "host-root"
     (host / "proc" / "1").mkdir(parents=True)
+    (host / "proc" / "self").mkdir(parents=True)
     (host / "proc" / "1" / "cgroup").write_text("0::/init.scope\n")
+    (host / "proc" / "self" / "mountinfo").write_text(HOST_MOUNTINFO)
     written = host / "multiproc_executor.py"
     written.write_text("")
     assert apply.container_note(str(written), root=str(host)) is None
