@@ -11,7 +11,8 @@ options:
   --root DIR         the directory holding vllm/
   --pid PID          the file the running process PID (the server) would import, found
                      with its Python, environment and working directory
-  --check            report only: 0 applied, 1 not applied, 2 drifted
+  --check            report only: 0 applied, 1 not applied, 2 drifted; with --pid, 0 only
+                     if that process started after the file last changed
   --revert           put back the release's bytes
   --diff, --dry-run  print the change as a unified diff; write nothing
   --verify           run the installed vLLM's real worker loop and check that it fails fast
@@ -25,7 +26,9 @@ exit codes:
   0  applied, or nothing to do: the file already fails fast by its own code, or
      every rank replies its failure (with --diff, done; with --verify, the
      installed vLLM fails fast)
-  1  not applied (--check), or applied but stale bytecode would run the old code
+  1  not applied (--check), or applied but stale bytecode would run the old code;
+     with --check --pid also: the process started before the file last changed,
+     so it still runs the code it loaded then (needs-restart)
   2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
   4  cannot read, lock or write the target, or keep its owner; the file is untouched
@@ -285,6 +288,77 @@ def is_zip(path: str) -> bool:
         return zipfile.is_zipfile(path)
     except OSError:
         return False
+
+
+NEEDS_RESTART_STATE = "needs-restart"
+
+
+def started_after_change(pid: str, path: str) -> str | None:
+    """None if process pid, and each process of its session it was forked from (whose
+    loaded code a fork inherits), started after path last changed (written, or its stale
+    bytecode removed: apply.py then marks the file changed); else why not. A process that
+    started before runs the code it loaded then.
+
+    The start is read from /proc/PID/stat (clock ticks since boot, rounded down: the true
+    start is no earlier), the change from the file's ctime and mtime and the link's, which
+    the kernel stamps from a clock up to a tick behind, and whole seconds on some file
+    systems. Within a margin for both, the answer is no: when unsure, not 0."""
+    import time
+
+    changed = 0.0
+    whole_seconds = False
+    for stat in (os.stat, os.lstat):
+        try:
+            st = stat(path)
+        except OSError as e:
+            return f"{path} cannot be read ({e.strerror})"
+        changed = max(changed, st.st_ctime, st.st_mtime)
+        whole_seconds = whole_seconds or st.st_ctime_ns % 1_000_000_000 == 0
+    margin = 2.0 if whole_seconds else 0.1
+    start = None
+    current, session = pid, None
+    for _ in range(64):
+        try:
+            with open(f"/proc/{current}/stat", encoding="utf-8", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+            exe = os.readlink(f"/proc/{current}/exe")
+        except OSError:
+            break
+        if session is None:
+            session = fields[3]
+        elif fields[3] != session or not os.path.basename(exe).startswith("python"):
+            break  # not the server's: another session, or not a Python that forked it
+        ticks = int(fields[19])
+        start = ticks if start is None else min(start, ticks)
+        current = fields[1]  # its parent
+    if start is None:
+        return f"the start of process {pid} cannot be read"
+    # Both on the boot clock: the wall clock's offset from it, now.
+    offset = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    started = start / os.sysconf("SC_CLK_TCK") + offset
+    if started > changed + margin:
+        return None
+    return (
+        f"process {pid} started at {wall_time(started)}, before {path} last changed ({wall_time(changed)})"
+        f"{' or within ' + format(margin, 'g') + ' s of it' if started > changed else ''}"
+    )
+
+
+def wall_time(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 100):02d} UTC"
+
+
+def mark_changed(path: str) -> None:
+    """Set the file's change time (ctime) to now, keeping its bytes and mtime: after stale
+    bytecode is removed, a server started before it still runs that bytecode's code, and
+    --check --pid tells so by the file's change time."""
+    try:
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except OSError:
+        pass
 
 
 # name and version of the distribution that installed the vllm package: vllm,
@@ -1164,6 +1238,8 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
         if decision.state == wanted:
             stale = stale_bytecode_files(sources, data)
             kept = remove_files(stale)
+            if stale:
+                mark_changed(real)  # a server started before runs the removed bytecode's code
             if kept:
                 return bytecode_kept(decision, revert, "none", data, data, kept)
             return settled(decision, revert, data, stale, adaptation)
@@ -1493,6 +1569,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = run_verify(path, args.root)
         elif args.mode in ("check", "diff"):
             report = run_check(path, show_diff=args.mode == "diff", exact=args.exact)
+            if args.pid and args.mode == "check" and report.code == OK:
+                report = as_running(args.pid, path, report)
         else:
             report = run_change(path, read_bundle(), revert=args.mode == "revert", exact=args.exact)
     except Failure as e:
@@ -1509,6 +1587,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit(sys.stderr, f"apply.py: {report.message}")
     # The code says what happened to the file, also when the report could not be printed.
     return report.code
+
+
+def as_running(pid: str, path: str, report: Report) -> Report:
+    """--check --pid: 0 only if the running process loaded the file as it is now."""
+    why = started_after_change(pid, path)
+    if why is None:
+        return report
+    message = f"needs restart: the file reads {report.state} ({report.message}), but {why}: it runs the code it loaded then; restart the server"
+    return report._replace(code=NOT_APPLIED, state=NEEDS_RESTART_STATE, message=message)
 
 
 def note_a_copy_here(path: str) -> None:

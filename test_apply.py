@@ -281,11 +281,85 @@ def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, serve
         assert json.loads(capsys.readouterr().out)["path"] == target(tree)
         assert apply.main(["--pid", str(pid)]) == 0
         assert f"applied patches/v{version}.diff" in capsys.readouterr().out
-        assert apply.main(["--pid", str(pid), "--check"]) == 0
-        capsys.readouterr()
+        assert apply.main(["--pid", str(pid), "--check"]) == 1, "it runs the code it loaded"
+        assert capsys.readouterr().out.startswith("needs restart: the file reads applied")
     # Run from the checkout, the gate says that a server started there imports another copy.
     done = run_apply("--check", cwd=checkout, env={**os.environ, "PYTHONPATH": installed})
     assert done.returncode == 0 and f"note: {target(checkout)} would be imported instead" in done.stderr
+
+
+def restarted(server_stand_in, *args) -> int:
+    """A server started again, after the change (past the gate's margin for clock ticks)."""
+    time.sleep(0.3)
+    return server_stand_in(*args)
+
+
+def test_the_gate_answers_for_the_running_server(make_tree, server_stand_in, capsys):
+    """--check --pid: 0 only when the running process started after the fix was written."""
+    tree = make_tree("0.30.0")
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert apply.main(["--pid", str(pid)]) == 0
+    capsys.readouterr()
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["state"], report["exit_code"], report["diff"]) == ("needs-restart", 1, "v0.30.0.diff")
+    assert report["message"].startswith(f"needs restart: the file reads applied (applied (patches/v0.30.0.diff)),"
+                                        f" but process {pid} started at ")
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith("needs restart: ")
+    assert apply.main(["--check", "--root", tree]) == 0, "the file alone is fixed"
+    capsys.readouterr()
+    again = restarted(server_stand_in, "/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(again), "--check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "applied"
+    assert apply.main(["--pid", str(pid), "--check"]) == 1, "the old one still runs the old code"
+
+
+def test_a_server_started_before_stale_bytecode_was_removed_needs_a_restart(make_tree, server_stand_in, tmp_path, capsys):
+    """The source fixed, the release's unchecked .pyc beside it: apply removes the .pyc and
+    writes nothing, but the server that loaded it runs the release's code until restarted."""
+    tree = make_tree("0.30.0")
+    subprocess.run([sys.executable, "-c", UNCHECKED, target(tree)], check=True)
+    write(target(tree), patched_bytes("0.30.0", tmp_path))
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    time.sleep(0.3)  # the file's last write is well before the server's start
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith("stale bytecode ")
+    assert apply.main(["--pid", str(pid), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["action"] == "none" and "removed stale bytecode" in report["message"]
+    assert read(target(tree)) == patched_bytes("0.30.0", tmp_path)
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["state"] == "needs-restart"
+    again = restarted(server_stand_in, "/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(again), "--check"]) == 0
+
+
+def test_a_process_forked_after_the_fix_from_one_started_before_needs_a_restart(make_tree, server_stand_in, tmp_path,
+                                                                                capsys):
+    """A worker forked by an engine that loaded the release inherits the release's code."""
+    tree = make_tree("0.30.0")
+    trigger, child = tmp_path / "fork-now", tmp_path / "child"
+    engine = server_stand_in("/", {"PYTHONPATH": tree}, [sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(trigger)!r}): time.sleep(0.01)\n"
+        "pid = os.fork()\n"
+        "if pid == 0: time.sleep(600); os._exit(0)\n"
+        f"open({str(child)!r}, 'w').write(str(pid))\n"
+        "time.sleep(600)\n")])
+    assert apply.main(["--pid", str(engine)]) == 0
+    time.sleep(0.3)
+    trigger.write_text("")
+    deadline = time.monotonic() + 10
+    while not child.exists() or not child.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker = child.read_text()
+    capsys.readouterr()
+    assert apply.main(["--pid", worker, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "needs-restart" and f"process {worker} started at " in report["message"]
 
 
 @pytest.mark.parametrize("args, code", [
