@@ -291,6 +291,10 @@ def is_zip(path: str) -> bool:
 
 
 NEEDS_RESTART_STATE = "needs-restart"
+# Seconds within which a process's start and a file's change are too close to order
+# (clock ticks of 10 ms, a kernel's coarse file time a tick behind), and on a file
+# system that stamps whole seconds.
+RESTART_MARGIN, WHOLE_SECONDS_MARGIN = 0.1, 2.0
 
 
 def started_after_change(pid: str, path: str) -> str | None:
@@ -314,7 +318,7 @@ def started_after_change(pid: str, path: str) -> str | None:
             return f"{path} cannot be read ({e.strerror})"
         changed = max(changed, st.st_ctime, st.st_mtime)
         whole_seconds = whole_seconds or st.st_ctime_ns % 1_000_000_000 == 0
-    margin = 2.0 if whole_seconds else 0.1
+    margin = WHOLE_SECONDS_MARGIN if whole_seconds else RESTART_MARGIN
     start = None
     current, session = pid, None
     for _ in range(64):
@@ -338,10 +342,12 @@ def started_after_change(pid: str, path: str) -> str | None:
     started = start / os.sysconf("SC_CLK_TCK") + offset
     if started > changed + margin:
         return None
-    return (
-        f"process {pid} started at {wall_time(started)}, before {path} last changed ({wall_time(changed)})"
-        f"{' or within ' + format(margin, 'g') + ' s of it' if started > changed else ''}"
-    )
+    if started > changed:
+        return (
+            f"process {pid} started at {wall_time(started)}, within {margin:g} s after {path} last changed"
+            f" ({wall_time(changed)}): too close to tell which code it loaded"
+        )
+    return f"process {pid} started at {wall_time(started)}, before {path} last changed ({wall_time(changed)})"
 
 
 def wall_time(seconds: float) -> str:

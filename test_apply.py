@@ -316,6 +316,21 @@ def test_the_gate_answers_for_the_running_server(make_tree, server_stand_in, cap
     assert apply.main(["--pid", str(pid), "--check"]) == 1, "the old one still runs the old code"
 
 
+def test_a_server_started_within_the_margin_of_the_change_needs_a_restart(make_tree, server_stand_in, monkeypatch,
+                                                                         capsys):
+    """A start and a change too close together to order: when unsure, not 0."""
+    tree = make_tree("0.30.0")
+    assert apply.main(["--root", tree]) == 0
+    time.sleep(0.3)
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(pid), "--check"]) == 0
+    monkeypatch.setattr(apply, "RESTART_MARGIN", 60.0)  # as if the clocks were that coarse
+    capsys.readouterr()
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "needs-restart" and "within 60 s after" in report["message"], report
+
+
 def test_a_server_started_before_stale_bytecode_was_removed_needs_a_restart(make_tree, server_stand_in, tmp_path, capsys):
     """The source fixed, the release's unchecked .pyc beside it: apply removes the .pyc and
     writes nothing, but the server that loaded it runs the release's code until restarted."""
