@@ -508,6 +508,20 @@ def test_pid_of_a_process_in_another_mount_namespace(make_tree, tmp_path, capsys
         process.wait()
 
 
+def test_pid_of_a_process_that_is_not_python_or_not_ours(server_stand_in, public_tree, capfd):
+    """Held: a non-Python process, and another user's, are refused with their own codes."""
+    needs_root()
+    _, patches = public_tree
+    not_python = server_stand_in("/", None, ["sleep", "600"])
+    assert apply.main(["--pid", str(not_python), "--check"]) == 3
+    err = capfd.readouterr().err
+    assert f"process {not_python} runs {os.path.realpath(shutil.which('sleep'))}, not Python" in err and len(err.splitlines()) == 1
+    roots = server_stand_in("/")  # root's server, checked by a user without rights
+    assert run_as_nobody(["--pid", str(roots), "--check"], patches) == 4
+    err = capfd.readouterr().err
+    assert f"cannot read process {roots}: Permission denied; run as its user or as root" in err, err
+
+
 def compiled_beside_the_source(root: str) -> str:
     """A compiled module where a Cython build leaves it: Python imports it before the .py."""
     from importlib.machinery import EXTENSION_SUFFIXES
