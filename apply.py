@@ -356,15 +356,17 @@ def wall_time(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 100):02d} UTC"
 
 
-def mark_changed(path: str) -> None:
+def mark_changed(path: str) -> str | None:
     """Set the file's change time (ctime) to now, keeping its bytes and mtime: after stale
     bytecode is removed, a server started before it still runs that bytecode's code, and
-    --check --pid tells so by the file's change time."""
+    --check --pid tells so by the file's change time. None if done, else why not (only
+    its owner or root may set a file's times)."""
     try:
         st = os.stat(path)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    except OSError:
-        pass
+    except OSError as e:
+        return e.strerror
+    return None
 
 
 # name and version of the distribution that installed the vllm package: vllm,
@@ -1244,10 +1246,17 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
         if decision.state == wanted:
             stale = stale_bytecode_files(sources, data)
             kept = remove_files(stale)
-            if stale:
-                mark_changed(real)  # a server started before runs the removed bytecode's code
+            unmarked = mark_changed(real) if stale else None  # a server started before runs the removed code
             if kept:
                 return bytecode_kept(decision, revert, "none", data, data, kept)
+            if unmarked:
+                # --check --pid would read 0 for a server that still runs the removed code.
+                message = (
+                    f"removed stale bytecode {', '.join(stale)}, but cannot mark {real} changed ({unmarked}), so"
+                    f" --check --pid cannot tell a server started before it, which runs the removed code: run"
+                    f" again as the file's owner or root, or restart the server"
+                )
+                return Report(NOT_APPLIED, decision.state, "none", message, decision.fix.name, data, data)
             return settled(decision, revert, data, stale, adaptation)
         if decision.state == DRIFTED_STATE:
             return drifted(path, data, text, fixes)

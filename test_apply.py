@@ -351,6 +351,24 @@ def test_a_server_started_before_stale_bytecode_was_removed_needs_a_restart(make
     assert apply.main(["--pid", str(again), "--check"]) == 0
 
 
+def test_stale_bytecode_removed_by_a_user_who_cannot_mark_the_file(public_tree, tmp_path, capfd):
+    """The service user's __pycache__ beside root's file: the .pyc goes, but the file's
+    change time, by which --check --pid tells a server started before, cannot be set."""
+    needs_root()
+    root, patches = public_tree
+    path = target(root)
+    pyc = py_compile.compile(path, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    write(path, patched_bytes("0.30.0", tmp_path))
+    os.chown(os.path.dirname(pyc), 65534, 65534)
+    before = os.stat(path)
+    assert run_as_nobody(["--root", root], patches) == 1
+    out = capfd.readouterr().out
+    assert f"removed stale bytecode {pyc}, but cannot mark {path} changed (Operation not permitted)" in out, out
+    assert not os.path.exists(pyc) and os.stat(path).st_ctime_ns == before.st_ctime_ns
+    assert run_as_nobody(["--root", root], patches) == 0, "nothing left to remove"
+    capfd.readouterr()
+
+
 def test_a_process_forked_after_the_fix_from_one_started_before_needs_a_restart(make_tree, server_stand_in, tmp_path,
                                                                                 capsys):
     """A worker forked by an engine that loaded the release inherits the release's code."""
