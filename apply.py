@@ -11,7 +11,8 @@ options:
   --root DIR         the directory holding vllm/
   --pid PID          the file the running process PID (the server) would import, found
                      with its Python, environment and working directory
-  --check            report only: 0 applied, 1 not applied, 2 drifted
+  --check            report only: 0 applied, 1 not applied, 2 drifted; with --pid, 0 only
+                     if that process started after the file last changed
   --revert           put back the release's bytes
   --diff, --dry-run  print the change as a unified diff; write nothing
   --verify           run the installed vLLM's real worker loop and check that it fails fast
@@ -25,7 +26,9 @@ exit codes:
   0  applied, or nothing to do: the file already fails fast by its own code, or
      every rank replies its failure (with --diff, done; with --verify, the
      installed vLLM fails fast)
-  1  not applied (--check), or applied but stale bytecode would run the old code
+  1  not applied (--check), or applied but stale bytecode would run the old code;
+     with --check --pid also: the process started before the file last changed,
+     so it still runs the code it loaded then (needs-restart)
   2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
   4  cannot read, lock or write the target, or keep its owner; the file is untouched
@@ -36,6 +39,8 @@ exit codes:
   9  the target was written, then read back changed by another program: run again
  10  Python imports the executor from a compiled module or a zip, not a source file
  11  --verify: the check could not run (its harness failed before a verdict)
+ 12  --pid: the process runs in another mount namespace (a container seen from
+     the host): run apply.py inside it; nothing was checked or written
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ DIFF_HEADER = "# sha256 of the lines below: "
 OK, NOT_APPLIED, DRIFTED = 0, 1, 2
 TARGET_NOT_FOUND, CANNOT_READ_OR_WRITE, BAD_BUNDLE, USAGE = 3, 4, 5, 6
 VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, CHANGED_AFTER_WRITE, NOT_A_SOURCE_FILE = 7, 8, 9, 10
-VERIFY_CANNOT_RUN = 11
+VERIFY_CANNOT_RUN, OTHER_MOUNT_NAMESPACE = 11, 12
 
 APPLIED_STATE, NOT_APPLIED_STATE, DRIFTED_STATE = "applied", "not-applied", "drifted"
 
@@ -167,27 +172,43 @@ def locate_for_process(pid: str) -> str:
 
     proc = f"/proc/{pid}"
     try:
-        python = os.readlink(f"{proc}/exe")
+        exe = os.readlink(f"{proc}/exe")
         cwd = os.readlink(f"{proc}/cwd")
         with open(f"{proc}/environ", "rb") as f:
             environ = dict(entry.partition(b"=")[::2] for entry in f.read().split(b"\0") if b"=" in entry)
         with open(f"{proc}/cmdline", "rb") as f:
             command = [os.fsdecode(arg) for arg in f.read().split(b"\0")[:-1]]
+        namespace = os.readlink(f"{proc}/ns/mnt")
     except FileNotFoundError:
         raise Failure(TARGET_NOT_FOUND, f"no process {pid}: --pid takes the id of the running vLLM server") from None
     except OSError as e:
         raise Failure(CANNOT_READ_OR_WRITE, f"cannot read process {pid}: {e.strerror}; run as its user or as root") from None
-    if not os.path.basename(python).startswith("python"):
+    if not os.path.basename(exe).startswith("python"):
         raise Failure(
             TARGET_NOT_FOUND,
-            f"process {pid} runs {python}, not Python: give the id of one of the vLLM server's Python processes",
+            f"process {pid} runs {exe}, not Python: give the id of one of the vLLM server's Python processes",
         )
-    flags, first = interpreter_view(command, cwd)
+    if namespace != os.readlink("/proc/self/ns/mnt"):
+        # Its paths name other files than the same paths here: the host's copy would be
+        # checked, or written, in place of the container's.
+        raise Failure(
+            OTHER_MOUNT_NAMESPACE,
+            f"process {pid} runs in another mount namespace (a container): the files at its paths here are not"
+            " the ones it imports; nothing was checked or written. Run apply.py inside it (docker exec, kubectl"
+            " exec) with the server's Python",
+        )
+    deleted = cwd.endswith(" (deleted)")
+    if deleted:  # an empty directory since removed: Python finds nothing there
+        cwd = cwd[: -len(" (deleted)")]
+    python = interpreter_as_run(pid, exe, command, cwd, environ)
+    flags, first, prefix = interpreter_view(command, cwd)
+    if not first:  # -c or stdin: "" on sys.path, the working directory, even once removed
+        first = f"{proc}/cwd" if deleted else cwd
     try:
         found = subprocess.run(
             [python, *flags, "-c", LOCATE_AS_PROCESS, os.path.realpath(__file__), first],
             env={os.fsdecode(k): os.fsdecode(v) for k, v in environ.items()},
-            cwd=cwd,
+            cwd=f"{proc}/cwd" if deleted else cwd,  # the removed directory is still its working directory
             capture_output=True,
             text=True,
             timeout=60,
@@ -198,24 +219,154 @@ def locate_for_process(pid: str) -> str:
         message = found.stderr.strip().splitlines()[-1:] or [f"exit status {found.returncode}"]
         code = found.returncode if found.returncode in (TARGET_NOT_FOUND, NOT_A_SOURCE_FILE) else TARGET_NOT_FOUND
         raise Failure(code, f"as process {pid} ({python}, in {cwd}) would import it: {message[0]}")
-    if environ.get(b"PYTHONPYCACHEPREFIX"):  # where that process caches bytecode
-        sys.pycache_prefix = os.path.join(cwd, os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"]))
+    if prefix is None and environ.get(b"PYTHONPYCACHEPREFIX") and not {"-E", "-I"} & set(flags):
+        prefix = os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"])
+    if prefix:  # where that process caches bytecode
+        sys.pycache_prefix = os.path.join(cwd, prefix)
     return found.stdout.strip()
 
 
-def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str]:
-    """From a Python command line: the flags that change what it imports, and its
-    sys.path[0] (the script's directory, or the working directory for -m and -c)."""
-    flags, args = [], list(command[1:])
+def interpreter_as_run(pid: str, exe: str, command: Sequence[str], cwd: str, environ: dict) -> str:
+    """The interpreter's path as the process was started by it. /proc/PID/exe names the
+    file that runs, which for a virtualenv's bin/python (a symlink) is the base
+    interpreter; but Python finds its virtualenv (pyvenv.cfg) beside the path it was
+    started by: its argv[0], found as exec found it, in the working directory or on the
+    PATH of its environment."""
+    name = command[0] if command else ""
+    if "/" in name:
+        candidates = [os.path.join(cwd, name)]
+    elif name:
+        path = os.fsdecode(environ.get(b"PATH", b"")) or os.defpath
+        candidates = [os.path.join(cwd, directory, name) for directory in path.split(os.pathsep)]
+    else:
+        candidates = []
+    for candidate in candidates:
+        try:
+            if os.path.samestat(os.stat(candidate), os.stat(f"/proc/{pid}/exe")):
+                return os.path.normpath(candidate)
+        except OSError:
+            continue
+    raise Failure(
+        TARGET_NOT_FOUND,
+        f"process {pid} runs {exe}, but its command line does not name it ({name!r}: a title the program set,"
+        " as vLLM's engine and workers set theirs, or an interpreter replaced since it started), so which"
+        " environment it runs in cannot be told: give the id of the server's main process (python -m vllm...,"
+        " vllm serve), or restart it",
+    )
+
+
+def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str, str | None]:
+    """From a Python command line: the flags that change what it imports, its sys.path[0]
+    (the script's directory; a directory or zip run as a script itself; the working
+    directory's path for -m; "" for -c, the working directory itself), and its -X pycache_prefix (None if not given)."""
+    flags, args, prefix = [], list(command[1:]), None
     while args and args[0].startswith("-") and args[0] not in ("-", "-m", "-c"):
         arg = args.pop(0)
-        if arg in ("-W", "-X", "--check-hash-based-pycs") and args:
-            args.pop(0)  # its value
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            value = args.pop(0) if args else ""
+        else:
+            value = arg[2:] if arg[:2] in ("-W", "-X") else None
+        if value is not None:
+            if arg.startswith("-X") and value.startswith("pycache_prefix="):
+                prefix = value.partition("=")[2]
         elif arg.lstrip("-") and set(arg[1:]) <= set("IEsSPbBdOquvx"):
             flags += [f"-{letter}" for letter in arg[1:] if letter in "IEsSP"]
-    if not args or args[0] in ("-", "-m", "-c"):
-        return flags, cwd
-    return flags, os.path.dirname(os.path.realpath(os.path.join(cwd, args[0])))
+    if not args or args[0] in ("-", "-c"):
+        return flags, "", prefix
+    if args[0] == "-m":
+        return flags, cwd, prefix
+    script = os.path.join(cwd, args[0])
+    if os.path.isdir(script) or is_zip(script):  # run as a package: its __main__.py
+        return flags, os.path.normpath(script), prefix
+    return flags, os.path.dirname(os.path.realpath(script)), prefix
+
+
+def is_zip(path: str) -> bool:
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+NEEDS_RESTART_STATE = "needs-restart"
+# Seconds within which a process's start and a file's change are too close to order
+# (clock ticks of 10 ms, a kernel's coarse file time a tick behind), and on a file
+# system that stamps whole seconds.
+RESTART_MARGIN, WHOLE_SECONDS_MARGIN = 0.1, 2.0
+
+
+def started_after_change(pid: str, path: str) -> str | None:
+    """None if process pid, and each process of its session it was forked from (whose
+    loaded code a fork inherits), started after path last changed (written, or its stale
+    bytecode removed: apply.py then marks the file changed); else why not. A process that
+    started before runs the code it loaded then.
+
+    The start is read from /proc/PID/stat (clock ticks since boot, rounded down: the true
+    start is no earlier), the change from the file's ctime and mtime and the link's, which
+    the kernel stamps from a clock up to a tick behind, and whole seconds on some file
+    systems. Within a margin for both, the answer is no: when unsure, not 0."""
+    import time
+
+    changed = 0.0
+    whole_seconds = False
+    for stat in (os.stat, os.lstat):
+        try:
+            st = stat(path)
+        except OSError as e:
+            return f"{path} cannot be read ({e.strerror})"
+        changed = max(changed, st.st_ctime, st.st_mtime)
+        whole_seconds = whole_seconds or st.st_ctime_ns % 1_000_000_000 == 0
+    margin = WHOLE_SECONDS_MARGIN if whole_seconds else RESTART_MARGIN
+    start = None
+    current, session = pid, None
+    for _ in range(64):
+        try:
+            with open(f"/proc/{current}/stat", encoding="utf-8", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+            exe = os.readlink(f"/proc/{current}/exe")
+        except OSError:
+            break
+        if session is None:
+            session = fields[3]
+        elif fields[3] != session or not os.path.basename(exe).startswith("python"):
+            break  # not the server's: another session, or not a Python that forked it
+        ticks = int(fields[19])
+        start = ticks if start is None else min(start, ticks)
+        current = fields[1]  # its parent
+    if start is None:
+        return f"the start of process {pid} cannot be read"
+    # Both on the boot clock: the wall clock's offset from it, now.
+    offset = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    started = start / os.sysconf("SC_CLK_TCK") + offset
+    if started > changed + margin:
+        return None
+    if started > changed:
+        return (
+            f"process {pid} started at {wall_time(started)}, within {margin:g} s after {path} last changed"
+            f" ({wall_time(changed)}): too close to tell which code it loaded"
+        )
+    return f"process {pid} started at {wall_time(started)}, before {path} last changed ({wall_time(changed)})"
+
+
+def wall_time(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 100):02d} UTC"
+
+
+def mark_changed(path: str) -> str | None:
+    """Set the file's change time (ctime) to now, keeping its bytes and mtime: after stale
+    bytecode is removed, a server started before it still runs that bytecode's code, and
+    --check --pid tells so by the file's change time. None if done, else why not (only
+    its owner or root may set a file's times)."""
+    try:
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except OSError as e:
+        return e.strerror
+    return None
 
 
 # name and version of the distribution that installed the vllm package: vllm,
@@ -1095,8 +1246,17 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
         if decision.state == wanted:
             stale = stale_bytecode_files(sources, data)
             kept = remove_files(stale)
+            unmarked = mark_changed(real) if stale else None  # a server started before runs the removed code
             if kept:
                 return bytecode_kept(decision, revert, "none", data, data, kept)
+            if unmarked:
+                # --check --pid would read 0 for a server that still runs the removed code.
+                message = (
+                    f"removed stale bytecode {', '.join(stale)}, but cannot mark {real} changed ({unmarked}), so"
+                    f" --check --pid cannot tell a server started before it, which runs the removed code: run"
+                    f" again as the file's owner or root, or restart the server"
+                )
+                return Report(NOT_APPLIED, decision.state, "none", message, decision.fix.name, data, data)
             return settled(decision, revert, data, stale, adaptation)
         if decision.state == DRIFTED_STATE:
             return drifted(path, data, text, fixes)
@@ -1146,8 +1306,15 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
 def container_note(path: str, root: str = "/") -> str | None:
     """One line when the file just written lives in a container's own writable layer:
     a restart of that container keeps it, a new container from the image does not."""
-    markers = (os.path.join(root, ".dockerenv"), os.path.join(root, "run", ".containerenv"))
-    inside = any(os.path.exists(marker) for marker in markers)
+    markers = (
+        os.path.join(root, ".dockerenv"),
+        os.path.join(root, "run", ".containerenv"),
+        # A Kubernetes pod's service-account mount: containerd and CRI-O leave no marker
+        # file, and on cgroup v2 PID 1's cgroup reads "0::/".
+        os.path.join(root, "var", "run", "secrets", "kubernetes.io"),
+        os.path.join(root, "run", "secrets", "kubernetes.io"),
+    )
+    inside = any(os.path.exists(marker) for marker in markers) or bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
     if not inside:
         try:
             with open(os.path.join(root, "proc", "1", "cgroup"), encoding="utf-8") as f:
@@ -1155,6 +1322,7 @@ def container_note(path: str, root: str = "/") -> str | None:
             inside = any(word in groups for word in ("docker", "kubepods", "containerd", "libpod", "lxc"))
         except OSError:
             pass
+    inside = inside or root_is_overlay(root)
     try:
         on_its_root = os.stat(path).st_dev == os.stat(root).st_dev  # not a volume mounted into it
     except OSError:
@@ -1165,6 +1333,17 @@ def container_note(path: str, root: str = "/") -> str | None:
             " the release again; bake the fix into the image (README: Containers)"
         )
     return None
+
+
+def root_is_overlay(root: str) -> bool:
+    """Whether this process's / is an overlay mount, as a container's image layers are."""
+    try:
+        with open(os.path.join(root, "proc", "self", "mountinfo"), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    types = [line.partition(" - ")[2].split(" ")[0] for line in lines if line.split(" ")[4:5] == ["/"]]
+    return bool(types) and types[-1] == "overlay"  # the last mount on / is the one seen
 
 
 def settled(decision: Decision, revert: bool, data: bytes, removed: Sequence[str], adaptation=None) -> Report:
@@ -1405,6 +1584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = run_verify(path, args.root)
         elif args.mode in ("check", "diff"):
             report = run_check(path, show_diff=args.mode == "diff", exact=args.exact)
+            if args.pid and args.mode == "check" and report.code == OK:
+                report = as_running(args.pid, path, report)
         else:
             report = run_change(path, read_bundle(), revert=args.mode == "revert", exact=args.exact)
     except Failure as e:
@@ -1421,6 +1602,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit(sys.stderr, f"apply.py: {report.message}")
     # The code says what happened to the file, also when the report could not be printed.
     return report.code
+
+
+def as_running(pid: str, path: str, report: Report) -> Report:
+    """--check --pid: 0 only if the running process loaded the file as it is now."""
+    why = started_after_change(pid, path)
+    if why is None:
+        return report
+    message = f"needs restart: the file reads {report.state} ({report.message}), but {why}: it runs the code it loaded then; restart the server"
+    return report._replace(code=NOT_APPLIED, state=NEEDS_RESTART_STATE, message=message)
 
 
 def note_a_copy_here(path: str) -> None:

@@ -92,6 +92,7 @@ def leftovers(root: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def no_environment_root(monkeypatch):
     monkeypatch.delenv("GAUDI_FIXES_ROOT", raising=False)
+    monkeypatch.setattr(sys, "pycache_prefix", sys.pycache_prefix)  # --pid sets the server's
 
 
 @pytest.mark.parametrize("version", SHAPES)
@@ -210,22 +211,59 @@ def test_a_namespace_portion_without_the_executor(tmp_path, make_tree, monkeypat
     assert json.loads(capsys.readouterr().out)["path"] == target(second)
 
 
+SLEEP = "import time; time.sleep(600)"
+
+
 @pytest.fixture
 def server_stand_in():
-    """start(cwd, env) -> the pid of a real Python process, started as a server may be
-    (`python -c`, here: its working directory first on sys.path); ended after the test."""
+    """start(cwd, env, command) -> the pid of a real Python process, started as a server may
+    be (by default `python -c`: its working directory first on sys.path), in a session of its
+    own as a service manager starts one; ended after the test."""
     started = []
 
-    def start(cwd: str, env: dict | None = None) -> int:
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], cwd=cwd,
-                                   env={**os.environ, **(env or {})})
+    def start(cwd: str, env: dict | None = None, command: list[str] | None = None) -> int:
+        process = subprocess.Popen(command or [sys.executable, "-c", SLEEP], cwd=cwd,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
         started.append(process)
+        wait_until_started(process.pid)
         return process.pid
 
     yield start
     for process in started:
         process.kill()
         process.wait()
+
+
+def wait_until_started(pid: int) -> None:
+    """Until exec has given the process its command line: Popen returns within exec, a
+    moment before."""
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read():
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not start"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def venv(tmp_path) -> tuple[str, str]:
+    """(its python, its site-packages): a real virtualenv, made by `python -m venv`, whose
+    bin/python is a link to the base interpreter."""
+    where = str(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", where], check=True)
+    python = os.path.join(where, "bin", "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    return python, site
+
+
+def install_release(site: str, version: str) -> str:
+    """A release's real file in site (a site-packages or any directory on sys.path): its path."""
+    path = os.path.join(site, TARGET)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write(path, release_bytes(version))
+    return path
 
 
 def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, server_stand_in, capsys):
@@ -243,11 +281,118 @@ def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, serve
         assert json.loads(capsys.readouterr().out)["path"] == target(tree)
         assert apply.main(["--pid", str(pid)]) == 0
         assert f"applied patches/v{version}.diff" in capsys.readouterr().out
-        assert apply.main(["--pid", str(pid), "--check"]) == 0
-        capsys.readouterr()
+        assert apply.main(["--pid", str(pid), "--check"]) == 1, "it runs the code it loaded"
+        assert capsys.readouterr().out.startswith("needs restart: the file reads applied")
     # Run from the checkout, the gate says that a server started there imports another copy.
     done = run_apply("--check", cwd=checkout, env={**os.environ, "PYTHONPATH": installed})
     assert done.returncode == 0 and f"note: {target(checkout)} would be imported instead" in done.stderr
+
+
+def restarted(server_stand_in, *args) -> int:
+    """A server started again, after the change (past the gate's margin for clock ticks)."""
+    time.sleep(0.3)
+    return server_stand_in(*args)
+
+
+def test_the_gate_answers_for_the_running_server(make_tree, server_stand_in, capsys):
+    """--check --pid: 0 only when the running process started after the fix was written."""
+    tree = make_tree("0.30.0")
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert apply.main(["--pid", str(pid)]) == 0
+    capsys.readouterr()
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["state"], report["exit_code"], report["diff"]) == ("needs-restart", 1, "v0.30.0.diff")
+    assert report["message"].startswith(f"needs restart: the file reads applied (applied (patches/v0.30.0.diff)),"
+                                        f" but process {pid} started at ")
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith("needs restart: ")
+    assert apply.main(["--check", "--root", tree]) == 0, "the file alone is fixed"
+    capsys.readouterr()
+    again = restarted(server_stand_in, "/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(again), "--check", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "applied"
+    assert apply.main(["--pid", str(pid), "--check"]) == 1, "the old one still runs the old code"
+
+
+def test_a_server_started_within_the_margin_of_the_change_needs_a_restart(make_tree, server_stand_in, monkeypatch,
+                                                                         capsys):
+    """A start and a change too close together to order: when unsure, not 0."""
+    tree = make_tree("0.30.0")
+    assert apply.main(["--root", tree]) == 0
+    time.sleep(0.3)
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(pid), "--check"]) == 0
+    monkeypatch.setattr(apply, "RESTART_MARGIN", 60.0)  # as if the clocks were that coarse
+    capsys.readouterr()
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "needs-restart" and "within 60 s after" in report["message"], report
+
+
+def test_a_server_started_before_stale_bytecode_was_removed_needs_a_restart(make_tree, server_stand_in, tmp_path, capsys):
+    """The source fixed, the release's unchecked .pyc beside it: apply removes the .pyc and
+    writes nothing, but the server that loaded it runs the release's code until restarted."""
+    tree = make_tree("0.30.0")
+    subprocess.run([sys.executable, "-c", UNCHECKED, target(tree)], check=True)
+    write(target(tree), patched_bytes("0.30.0", tmp_path))
+    pid = server_stand_in("/", {"PYTHONPATH": tree})
+    time.sleep(0.3)  # the file's last write is well before the server's start
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith("stale bytecode ")
+    assert apply.main(["--pid", str(pid), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["action"] == "none" and "removed stale bytecode" in report["message"]
+    assert read(target(tree)) == patched_bytes("0.30.0", tmp_path)
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["state"] == "needs-restart"
+    again = restarted(server_stand_in, "/", {"PYTHONPATH": tree})
+    assert apply.main(["--pid", str(again), "--check"]) == 0
+
+
+def test_stale_bytecode_removed_by_a_user_who_cannot_mark_the_file(public_tree, tmp_path, capfd):
+    """The service user's __pycache__ beside root's file: the .pyc goes, but the file's
+    change time, by which --check --pid tells a server started before, cannot be set."""
+    needs_root()
+    root, patches = public_tree
+    path = target(root)
+    pyc = py_compile.compile(path, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    write(path, patched_bytes("0.30.0", tmp_path))
+    os.chown(os.path.dirname(pyc), 65534, 65534)
+    before = os.stat(path)
+    assert run_as_nobody(["--root", root], patches) == 1
+    out = capfd.readouterr().out
+    assert f"removed stale bytecode {pyc}, but cannot mark {path} changed (Operation not permitted)" in out, out
+    assert not os.path.exists(pyc) and os.stat(path).st_ctime_ns == before.st_ctime_ns
+    assert run_as_nobody(["--root", root], patches) == 0, "nothing left to remove"
+    capfd.readouterr()
+
+
+def test_a_process_forked_after_the_fix_from_one_started_before_needs_a_restart(make_tree, server_stand_in, tmp_path,
+                                                                                capsys):
+    """A worker forked by an engine that loaded the release inherits the release's code."""
+    tree = make_tree("0.30.0")
+    trigger, child = tmp_path / "fork-now", tmp_path / "child"
+    engine = server_stand_in("/", {"PYTHONPATH": tree}, [sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(trigger)!r}): time.sleep(0.01)\n"
+        "pid = os.fork()\n"
+        "if pid == 0: time.sleep(600); os._exit(0)\n"
+        f"open({str(child)!r}, 'w').write(str(pid))\n"
+        "time.sleep(600)\n")])
+    assert apply.main(["--pid", str(engine)]) == 0
+    time.sleep(0.3)
+    trigger.write_text("")
+    deadline = time.monotonic() + 10
+    while not child.exists() or not child.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker = child.read_text()
+    capsys.readouterr()
+    assert apply.main(["--pid", worker, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "needs-restart" and f"process {worker} started at " in report["message"]
 
 
 @pytest.mark.parametrize("args, code", [
@@ -258,6 +403,141 @@ def test_pid_errors(args, code, capsys):
     assert apply.main(args) == code
     err = capsys.readouterr().err
     assert err.startswith("apply.py: ") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("started_as", ["path", "name-on-its-PATH", "relative"])
+def test_pid_of_a_server_in_a_virtualenv(started_as, venv, server_stand_in, tmp_path, capsys):
+    """/proc/PID/exe names the base interpreter that the venv's bin/python links to; the
+    server imports from the venv's site-packages, found by the path it was started by."""
+    python, site = venv
+    path = install_release(site, "0.30.0")
+    bin_dir = os.path.dirname(python)
+    argv0, cwd, env = {
+        "path": (python, "/", {}),
+        "name-on-its-PATH": ("python", "/", {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}),
+        "relative": (os.path.join("bin", "python"), os.path.dirname(bin_dir), {}),
+    }[started_as]
+    pid = server_stand_in(cwd, env, [argv0, "-c", SLEEP])
+    assert os.path.realpath(f"/proc/{pid}/exe") != python and os.path.islink(python)
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["path"] == path
+    assert apply.main(["--pid", str(pid)]) == 0
+    assert read(path) == patched_bytes("0.30.0", tmp_path)
+
+
+def test_pid_of_a_process_whose_title_hides_its_interpreter(venv, tmp_path, capsys):
+    """A title set in place of the command line (vLLM names its engine and workers so):
+    which venv the process runs in cannot be told, and the base interpreter's packages are
+    not what it imports."""
+    python, site = venv
+    install_release(site, "0.30.0")
+    titled = subprocess.Popen(["VLLM::EngineCore", "-c", SLEEP], executable=python, start_new_session=True)
+    try:
+        wait_until_started(titled.pid)
+        assert apply.main(["--pid", str(titled.pid), "--check"]) == 3
+        err = capsys.readouterr().err
+        assert "but its command line does not name it ('VLLM::EngineCore'" in err and len(err.splitlines()) == 1
+    finally:
+        titled.kill()
+        titled.wait()
+
+
+def test_pid_of_a_server_whose_working_directory_was_removed(make_tree, server_stand_in, tmp_path, capsys):
+    tree = make_tree("0.30.0")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    pid = server_stand_in(str(gone), {"PYTHONPATH": tree})
+    gone.rmdir()
+    assert os.readlink(f"/proc/{pid}/cwd").endswith(" (deleted)")
+    assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["path"] == target(tree)
+    assert apply.main(["--pid", str(pid)]) == 0
+    assert read(target(tree)) == patched_bytes("0.30.0", tmp_path)
+
+
+@pytest.mark.parametrize("form", ["directory", "zip"])
+def test_pid_of_a_server_run_as_a_directory_or_zip(form, make_tree, server_stand_in, tmp_path, capsys):
+    """`python /srv/app`: CPython puts /srv/app itself first on sys.path (a zip too), not
+    /srv, where a fixed copy stands beside it."""
+    srv = make_tree("0.30.0", name="srv")
+    assert apply.main(["--root", srv]) == 0  # /srv/vllm: fixed
+    app = tmp_path / "app"
+    install_release(str(app), "0.30.0")  # /srv/app/vllm: vendored, the release's
+    (app / "__main__.py").write_text(SLEEP + "\n")
+    script = str(app)
+    if form == "zip":
+        script = shutil.make_archive(str(tmp_path / "app"), "zip", app)
+        shutil.rmtree(app)
+    shutil.move(script, srv)
+    script = os.path.join(srv, os.path.basename(script))
+    capsys.readouterr()
+    pid = server_stand_in("/", None, [sys.executable, script])
+    if form == "directory":
+        assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["path"] == os.path.join(script, TARGET)
+    else:
+        assert apply.main(["--pid", str(pid), "--check"]) == 10
+        assert f"Python imports vllm's executor from {script}/{TARGET}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["-X pycache_prefix=DIR", "-Xpycache_prefix=DIR"])
+def test_pid_of_a_server_with_a_pycache_prefix_on_its_command_line(given, make_tree, server_stand_in, tmp_path, capsys):
+    """The release's unchecked .pyc under the prefix the server's -X option names would run."""
+    tree = make_tree("0.30.0")
+    prefix = tmp_path / "pycache"
+    option = given.replace("DIR", str(prefix)).split(" ")
+    subprocess.run([sys.executable, *option, "-c", UNCHECKED, target(tree)], check=True)
+    [pyc] = [os.path.join(d, n) for d, _, names in os.walk(prefix) for n in names]
+    write(target(tree), patched_bytes("0.30.0", tmp_path))
+    pid = server_stand_in("/", {"PYTHONPATH": tree}, [sys.executable, *option, "-c", SLEEP])
+    assert apply.main(["--pid", str(pid), "--check"]) == 1
+    assert capsys.readouterr().out.startswith(f"stale bytecode {pyc} would run instead of the fixed source")
+    assert apply.main(["--pid", str(pid)]) == 0 and not os.path.exists(pyc)
+
+
+def test_pid_of_a_process_in_another_mount_namespace(make_tree, tmp_path, capsys):
+    """A containerised server seen from the host: at its path here stands the host's file
+    (fixed), while the process imports its own (the release's). Refused: neither checked
+    nor written."""
+    needs_root()
+    host = make_tree("0.30.0", name="host")
+    assert apply.main(["--root", host]) == 0
+    fixed = read(target(host))
+    inside = make_tree("0.30.0", name="container")
+    script = (f"mount --bind {inside}/vllm {host}/vllm && cd / && exec {sys.executable} -c '{SLEEP}'")
+    process = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                               env={**os.environ, "PYTHONPATH": host}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.basename(os.readlink(f"/proc/{process.pid}/exe")).startswith("python"):
+            assert process.poll() is None and time.monotonic() < deadline, "unshare did not start"
+            time.sleep(0.01)
+        wait_until_started(process.pid)
+        assert os.readlink(f"/proc/{process.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        capsys.readouterr()
+        for args in (["--check"], [], ["--check", "--json"]):
+            assert apply.main(["--pid", str(process.pid), *args]) == 12, args
+        report = json.loads(capsys.readouterr().out)
+        assert report["state"] == "error" and report["message"].startswith(
+            f"process {process.pid} runs in another mount namespace (a container)")
+        assert read(target(host)) == fixed and read(target(inside)) == release_bytes("0.30.0")
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_pid_of_a_process_that_is_not_python_or_not_ours(server_stand_in, public_tree, capfd):
+    """Held: a non-Python process, and another user's, are refused with their own codes."""
+    needs_root()
+    _, patches = public_tree
+    not_python = server_stand_in("/", None, ["sleep", "600"])
+    assert apply.main(["--pid", str(not_python), "--check"]) == 3
+    err = capfd.readouterr().err
+    assert f"process {not_python} runs {os.path.realpath(shutil.which('sleep'))}, not Python" in err and len(err.splitlines()) == 1
+    roots = server_stand_in("/")  # root's server, checked by a user without rights
+    assert run_as_nobody(["--pid", str(roots), "--check"], patches) == 4
+    err = capfd.readouterr().err
+    assert f"cannot read process {roots}: Permission denied; run as its user or as root" in err, err
 
 
 def compiled_beside_the_source(root: str) -> str:
@@ -1021,7 +1301,7 @@ def test_root_takes_both_spellings(make_tree, capsys):
 def test_help_lists_every_exit_code(capsys):
     assert apply.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for code in range(12):
+    for code in range(13):
         assert f"\n {code:>2}  " in out
 
 
@@ -1231,10 +1511,41 @@ def test_a_write_inside_a_container_says_where_it_lives(marker, tmp_path):
     assert note.startswith("in a container: this change lives in this container only")
 
 
-def test_no_container_note_on_a_host_or_a_volume(tmp_path):
+HOST_MOUNTINFO = "22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw\n"
+POD_MOUNTINFO = (
+    "1291 1163 0:187 / / rw,relatime master:474 - overlay overlay rw,lowerdir=/var/lib/containerd/a:/var/lib/"
+    "containerd/b,upperdir=/var/lib/containerd/c/fs,workdir=/var/lib/containerd/c/work\n"
+    "1292 1291 0:190 / /proc rw,nosuid,nodev,noexec,relatime - proc proc rw\n"
+)
+
+
+@pytest.mark.parametrize("sign", ["overlay-root", "service-account", "KUBERNETES_SERVICE_HOST"])
+def test_a_write_in_a_kubernetes_pod_on_cgroup_v2_says_where_it_lives(sign, tmp_path, monkeypatch):
+    """containerd and CRI-O leave no marker file, and PID 1's cgroup reads "0::/" there."""
+    root = tmp_path / "pod-root"
+    (root / "proc" / "1").mkdir(parents=True)
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "1" / "cgroup").write_text("0::/\n")
+    (root / "proc" / "self" / "mountinfo").write_text(POD_MOUNTINFO if sign == "overlay-root" else HOST_MOUNTINFO)
+    if sign == "service-account":
+        (root / "var" / "run" / "secrets" / "kubernetes.io" / "serviceaccount").mkdir(parents=True)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    if sign == "KUBERNETES_SERVICE_HOST":
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    written = root / "opt" / "multiproc_executor.py"
+    written.parent.mkdir(parents=True)
+    written.write_text("")
+    note = apply.container_note(str(written), root=str(root))
+    assert note and note.startswith("in a container: this change lives in this container only")
+
+
+def test_no_container_note_on_a_host_or_a_volume(tmp_path, monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     host = tmp_path / "host-root"
     (host / "proc" / "1").mkdir(parents=True)
+    (host / "proc" / "self").mkdir(parents=True)
     (host / "proc" / "1" / "cgroup").write_text("0::/init.scope\n")
+    (host / "proc" / "self" / "mountinfo").write_text(HOST_MOUNTINFO)
     written = host / "multiproc_executor.py"
     written.write_text("")
     assert apply.container_note(str(written), root=str(host)) is None

@@ -3,6 +3,7 @@
     python3 service.py start STATE_DIR PYTHON MODEL PORT   # start, detached; remember how
     python3 service.py restart STATE_DIR                   # stop it, start it again the same way
     python3 service.py stop STATE_DIR
+    python3 service.py start-idle STATE_DIR PYTHON TREE         # a stand-in: PYTHON idling, TREE on its PYTHONPATH
 
 What systemd or a container runtime does for a real server, for the fleet test's
 playbook: the server runs in a session of its own, detached from whoever started it
@@ -29,10 +30,24 @@ def start(state: str, python: str, model: str, port: int) -> int:
     os.makedirs(state, exist_ok=True)
     with open(os.path.join(state, "service.json"), "w") as f:
         json.dump({"python": python, "model": model, "port": port}, f)
+    return launch(state, server_command(python, model, state, "tp", port),
+                  server_env(state, os.path.join(state, "fault")))
+
+
+def start_idle(state: str, python: str, tree: str) -> int:
+    """A host's stand-in server: a Python that imports from tree, as the server would, and
+    idles; the playbook finds its pid, checks and restarts it as a server's."""
+    os.makedirs(state, exist_ok=True)
+    with open(os.path.join(state, "service.json"), "w") as f:
+        json.dump({"python": python, "tree": tree}, f)
+    return launch(state, [python, "-c", "import time; time.sleep(3600)"], {**os.environ, "PYTHONPATH": tree})
+
+
+def launch(state: str, command: list[str], env: dict[str, str]) -> int:
     with open(os.path.join(state, "server.log"), "a") as log:
         process = subprocess.Popen(
-            server_command(python, model, state, "tp", port),
-            env=server_env(state, os.path.join(state, "fault")),
+            command,
+            env=env,
             cwd=state,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -67,11 +82,16 @@ def main(argv: list[str]) -> int:
     command, state = argv[0], argv[1]
     if command == "start":
         start(state, argv[2], argv[3], int(argv[4]))
+    elif command == "start-idle":
+        start_idle(state, argv[2], argv[3])
     elif command == "restart":
         with open(os.path.join(state, "service.json")) as f:
             how = json.load(f)
         stop(state)
-        start(state, how["python"], how["model"], how["port"])
+        if "tree" in how:
+            start_idle(state, how["python"], how["tree"])
+        else:
+            start(state, how["python"], how["model"], how["port"])
     elif command == "stop":
         stop(state)
     else:

