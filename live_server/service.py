@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from server import group_alive, server_command, server_env  # noqa: E402
+from server import group_alive, server_command, server_env, shm_held_by_group  # noqa: E402
 
 
 def start(state: str, python: str, model: str, port: int) -> int:
@@ -67,6 +67,7 @@ def stop(state: str) -> None:
             pid = int(f.read())
     except (FileNotFoundError, ValueError):
         return
+    held = shm_held_by_group(pid)  # what its killed workers would leave; no other program's
     for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(pid, sig)
@@ -75,6 +76,11 @@ def stop(state: str) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and group_alive(pid):
             time.sleep(0.1)
+    for name in held:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
     os.unlink(os.path.join(state, "pid"))
 
 
