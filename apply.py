@@ -1219,7 +1219,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
     if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
         return settled(decision, revert, data, [], adaptation)
     if decision.state == DRIFTED_STATE:
-        judged = not (revert or exact) and by_behaviour(path, data, text, fixes)
+        judged = not (revert or exact) and by_behaviour(path, data, text, fixes, check=False)
         return judged or drifted(path, data, text, fixes)
     refuse_a_shared_file(path)
 
@@ -1343,12 +1343,17 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
 FAILS_FAST_STATE, NOT_AFFECTED_STATE = "fails-fast", "not-affected"
 
 
-def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix]) -> Report | None:
+def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], *, check: bool = True) -> Report | None:
     """For a file that no diff fits and that holds none of their fixed text: what its
     worker loop does with a failure, driven as the bundle's loop test drives it, in a
-    child. A loop that already ends a failing non-output rank (upstream's fix once it
-    lands, a vendor's) or where every rank replies (0.6.5-0.8.4) needs nothing: exit 0,
-    with its own state. None otherwise (the bug, or a loop the test cannot drive)."""
+    child, on the whole matrix (test_rank_exception_fatal.behaviour). A loop that
+    already ends a failing non-output rank (upstream's fix once it lands, a vendor's)
+    or where every rank answers every call and replies its failure (0.6.5-0.8.4) needs
+    nothing: exit 0, with its own state, once nothing else runs in its place (no
+    rebinding of the loop, no stale bytecode; apply removes that, --check says 1).
+    None otherwise (the bug, or a loop the test cannot drive), or a drift report that
+    says why the file's loop is not what runs."""
+    import ast
     import subprocess
 
     test = os.path.join(HERE, "test_rank_exception_fatal.py")
@@ -1357,24 +1362,51 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix])
     lines = split_lines(text)
     if any(find_block(lines, hunk.after) for fix in fixes for hunk in fix.hunks):
         return None  # part of this bundle's fix: half-applied, or edited after
+    if any(fingerprint(lines, fix) for fix in fixes):
+        return None  # a release's functions, drifted by what else binds or runs: drift_reason says
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    again = rebinding_of(module, loop_reach(module) | {"worker_busy_loop"})
+    if again:
+        return drifted(path, data, text, fixes, reason=f"its loop is judged by what it does, but {again}")
     try:
         asked = subprocess.run(
             [sys.executable, "-I", test, "--behaviour", os.path.realpath(path)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=300,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = asked.stdout.strip()
     if found == "exits":
+        state = FAILS_FAST_STATE
         message = (
             "already fails fast: a rank that fails a call it does not answer exits, by this file's own code"
             " (no diff of this bundle); nothing to do"
         )
-        return Report(OK, FAILS_FAST_STATE, "none", message, None, data, data)
-    if found == "replies":
-        message = "not affected: every rank replies its own failure, so none is dropped; nothing to do"
-        return Report(OK, NOT_AFFECTED_STATE, "none", message, None, data, data)
-    return None
+    elif found == "replies":
+        state = NOT_AFFECTED_STATE
+        message = "not affected: every rank answers every call and replies its own failure; nothing to do"
+    else:
+        return None
+    sources = sorted({path, os.path.realpath(path)})
+    stale = stale_bytecode_files(sources, data)
+    if stale and check:
+        message = f"stale bytecode {stale[0]} would run instead of this file, which is {state} (apply.py removes it)"
+        return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, None, data, data)
+    if stale:
+        with DirectoryLock(os.path.dirname(os.path.realpath(path))):
+            kept = remove_files(stale_bytecode_files(sources, data))
+        if kept:
+            pyc, reason = next(iter(kept.items()))
+            message = (
+                f"nothing to do to the file ({state}), but stale bytecode {pyc} cannot be removed ({reason}) and"
+                f" would run instead of it: remove it as its owner (rm {pyc}), then run again"
+            )
+            return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, None, data, data)
+        message += f", removed stale bytecode {', '.join(stale)}"
+    return Report(OK, state, "none", message, None, data, data)
 
 
 UPSTREAM = "https://github.com/vllm-project/vllm"
