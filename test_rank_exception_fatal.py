@@ -123,16 +123,26 @@ def attributes_read(cls: ast.ClassDef, names: set[str]) -> set[str]:
     return read - set(methods)
 
 
+# Constructors whose new, empty object carries no setting: explicit state of a loop
+# (a failed step, pending replies, a flush's event) that __init__ makes.
+EMPTY_STATE = {"set", "dict", "list", "tuple", "frozenset", "deque", "Event", "Lock", "RLock", "Queue", "SimpleQueue"}
+
+
 def plain_value(node: ast.AST) -> bool:
-    """A constant, or an empty container: what __init__ sets the same on every worker."""
+    """A constant, or an empty container or synchronisation object: what __init__ sets
+    the same on every worker, whatever the environment."""
     if isinstance(node, ast.Constant):
         return True
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return not node.elts
     if isinstance(node, ast.Dict):
         return not node.keys
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id in ("set", "dict", "list", "tuple", "frozenset") and not node.args and not node.keywords)
+    if not (isinstance(node, ast.Call) and not node.args and not node.keywords):
+        return False
+    if isinstance(node.func, ast.Name):
+        return node.func.id in EMPTY_STATE
+    return (isinstance(node.func, ast.Attribute) and node.func.attr in EMPTY_STATE
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in ("threading", "queue", "collections"))
 
 
 def init_settings(tree: ast.Module, cls: ast.ClassDef) -> tuple[list[ast.stmt], str | None]:
@@ -173,9 +183,10 @@ def init_settings(tree: ast.Module, cls: ast.ClassDef) -> tuple[list[ast.stmt], 
                 continue  # state the loop keeps itself
             if any(node is stmt or any(node is n for n in ast.walk(stmt)) for stmt in fault_tolerance):
                 continue  # run as __init__ runs it, with fault tolerance set
-            if (id(node) in top_of_init and isinstance(node, ast.Assign) and len(node.targets) == 1
-                    and isinstance(target.value, ast.Name) and target.value.id == "self" and plain_value(node.value)):
-                plain.append(node)
+            single = isinstance(node, ast.AnnAssign) or (isinstance(node, ast.Assign) and len(node.targets) == 1)
+            if (id(node) in top_of_init and single and node.value is not None and plain_value(node.value)
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                plain.append(ast.copy_location(ast.Assign(targets=[target], value=node.value), node))
                 continue
             return plain, (f"line {node.lineno} sets {target.attr}, which the loop reads, from something other"
                            " than fault tolerance: a switch whose value these cases cannot know")
@@ -472,9 +483,10 @@ def drive(path: str, worker_proc_type, cls, plain, case: dict) -> None:
     CASE["error"] = case.get("error")
     CASE["fail"] = tuple(case.get("fail") or ("execute_model",))
     proc = worker_proc_type.__new__(worker_proc_type)  # as tests make it: no __init__
-    init_scope = {"self": proc}
+    module = next((f.__globals__ for f in vars(worker_proc_type).values() if isinstance(f, types.FunctionType)), {})
+    init_scope = {**module, "self": proc}  # the file's own imports: threading.Event() and the like
     for stmt in plain:
-        exec(compile(ast.Module(body=[stmt], type_ignores=[]), path, "exec"), init_scope)
+        exec(compile(ast.fix_missing_locations(ast.Module(body=[stmt], type_ignores=[])), path, "exec"), init_scope)
     if case.get("fault_tolerance") is not None:
         # "absent": a release whose ParallelConfig has no such field.
         setting = {} if case["fault_tolerance"] == "absent" else {"enable_fault_tolerance": case["fault_tolerance"]}
