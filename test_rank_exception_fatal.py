@@ -84,6 +84,115 @@ def fault_tolerance_statements(cls: ast.ClassDef) -> list[ast.stmt]:
     return []
 
 
+# What the stand-in sets on the worker as production's __init__ leaves it (or replaces).
+STAND_IN_ATTRIBUTES = frozenset({
+    "rank", "worker", "use_async_scheduling", "mm_receiver_cache", "worker_response_mq",
+    "rpc_broadcast_mq", "handle_output", "async_output_queue", "async_output_copy_thread",
+    "peer_response_handles",
+})
+
+
+def loop_methods(cls: ast.ClassDef) -> set[str]:
+    """The methods of WorkerProc that its worker_busy_loop runs: itself and every method
+    it reaches through self.NAME."""
+    methods = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    reached: set[str] = set()
+    todo = ["worker_busy_loop"]
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in methods:
+            continue
+        reached.add(name)
+        todo += [n.attr for n in ast.walk(methods[name]) if isinstance(n, ast.Attribute)
+                 and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr in methods]
+    return reached
+
+
+def attributes_read(cls: ast.ClassDef, names: set[str]) -> set[str]:
+    """The attributes (not methods) that these methods read off the worker or its class."""
+    methods = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    read = set()
+    for name in names:
+        for node in ast.walk(methods[name]):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", cls.name) and isinstance(node.ctx, ast.Load)):
+                read.add(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                read.add(node.args[1].value)
+    return read - set(methods)
+
+
+# Constructors whose new, empty object carries no setting: explicit state of a loop
+# (a failed step, pending replies, a flush's event) that __init__ makes.
+EMPTY_STATE = {"set", "dict", "list", "tuple", "frozenset", "deque", "Event", "Lock", "RLock", "Queue", "SimpleQueue"}
+
+
+def plain_value(node: ast.AST) -> bool:
+    """A constant, or an empty container or synchronisation object: what __init__ sets
+    the same on every worker, whatever the environment."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return not node.elts
+    if isinstance(node, ast.Dict):
+        return not node.keys
+    if not (isinstance(node, ast.Call) and not node.args and not node.keywords):
+        return False
+    if isinstance(node.func, ast.Name):
+        return node.func.id in EMPTY_STATE
+    return (isinstance(node.func, ast.Attribute) and node.func.attr in EMPTY_STATE
+            and isinstance(node.func.value, ast.Name) and node.func.value.id in ("threading", "queue", "collections"))
+
+
+def init_settings(tree: ast.Module, cls: ast.ClassDef) -> tuple[list[ast.stmt], str | None]:
+    """The class as __init__ leaves it, for what the loop reads: the statements of
+    __init__ that set such an attribute to a plain value (run on the stand-in as
+    __init__ runs them), and why the loop cannot be judged, if it cannot: an attribute
+    the loop reads is set, anywhere in the module but the loop itself, from anything
+    but a plain value or fault tolerance (a vendor's switch: its value is unknown)."""
+    loop = loop_methods(cls)
+    read = attributes_read(cls, loop) - STAND_IN_ATTRIBUTES
+    methods = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    init = methods.get("__init__")
+    fault_tolerance = fault_tolerance_statements(cls)
+    owner: dict[int, ast.AST] = {}  # node -> the innermost function that holds it
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                owner[id(node)] = function
+    top_of_init = {id(stmt): stmt for stmt in (init.body if init else [])}
+    plain: list[ast.stmt] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = [e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+            if node.args[1].value in read:
+                return plain, f"line {node.lineno} sets {node.args[1].value}, which the loop reads, by setattr"
+            continue
+        else:
+            continue
+        for target in targets:
+            if not (isinstance(target, ast.Attribute) and target.attr in read):
+                continue
+            function = owner.get(id(node))
+            if function is not None and any(function is methods.get(name) for name in loop):
+                continue  # state the loop keeps itself
+            if any(node is stmt or any(node is n for n in ast.walk(stmt)) for stmt in fault_tolerance):
+                continue  # run as __init__ runs it, with fault tolerance set
+            single = isinstance(node, ast.AnnAssign) or (isinstance(node, ast.Assign) and len(node.targets) == 1)
+            if (id(node) in top_of_init and single and node.value is not None and plain_value(node.value)
+                    and isinstance(target.value, ast.Name) and target.value.id == "self"):
+                plain.append(ast.copy_location(ast.Assign(targets=[target], value=node.value), node))
+                continue
+            return plain, (f"line {node.lineno} sets {target.attr}, which the loop reads, from something other"
+                           " than fault tolerance: a switch whose value these cases cannot know")
+    return plain, None
+
+
 def release_has_fault_tolerance(target: str) -> bool:
     """Whether the release declares parallel_config.enable_fault_tolerance (0.27.0 and later)."""
     told = os.environ.get("RANK_EXCEPTION_FATAL_FAULT_TOLERANCE")
@@ -169,10 +278,14 @@ def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
             ]
             strip_annotations(node)
             body.append(node)
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-            body.append(node)  # class-level defaults
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Constant) and node.simple:
-            body.append(ast.copy_location(ast.Assign(targets=[node.target], value=node.value), node))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            # Class-level defaults (FAIL_FAST_RPCS = frozenset(...) as well as a constant),
+            # each as far as the stand-in module can evaluate it: one that names a vLLM
+            # type is left out, and a loop that reads it cannot be driven.
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            assign = ast.copy_location(ast.Assign(targets=targets, value=node.value), node)
+            skip = ast.ExceptHandler(type=ast.Name(id="Exception", ctx=ast.Load()), name=None, body=[ast.Pass()])
+            body.append(ast.copy_location(ast.Try(body=[assign], handlers=[skip], orelse=[], finalbody=[]), node))
     stand_in = ast.ClassDef(
         name="WorkerProc", bases=[], keywords=[], body=body, decorator_list=[]
     )
@@ -260,16 +373,44 @@ class FakeBroadcastQueue:
         return self.calls.pop(0)
 
 
+class DeviceLost(Exception):
+    """A worker's own exception type, as a vendor's runner raises it."""
+
+
+# What a case may make the stand-in raise (case["error"]); RuntimeError by default.
+ERRORS = {e.__name__: e for e in (RuntimeError, ValueError, KeyError, OSError, DeviceLost)}
+CASE = {"error": None, "fail": ("execute_model",)}  # the running case's failure, set by drive()
+
+
+def failure(default: type[Exception], message: str) -> Exception:
+    return ERRORS.get(CASE["error"] or "", default)(message)
+
+
 class StandInModelWorker:
-    """What WorkerWrapperBase would be: the methods the executor calls by name."""
+    """What WorkerWrapperBase would be: the methods the executor calls by name. Those in
+    the case's "fail" list raise (execute_model alone by default)."""
 
     def execute_model(self, scheduler_output):
         emit(ran="execute_model")
-        raise RuntimeError("device out of memory during prefill")
+        raise failure(RuntimeError, "device out of memory during prefill")
 
     def sample_tokens(self, grammar_output):
         emit(ran="sample_tokens")
+        if "sample_tokens" in CASE["fail"]:
+            raise failure(RuntimeError, "grammar bitmask failed")
         return "token-7"
+
+    def _other_call(self, name):
+        emit(ran=name)
+        if name in CASE["fail"]:
+            raise failure(RuntimeError, f"{name} failed")
+        return f"{name}-ok"
+
+    def execute_dummy_batch(self, *args):
+        return self._other_call("execute_dummy_batch")
+
+    def check_health(self, *args):
+        return self._other_call("check_health")
 
     def compile_or_warm_up_model(self, _):
         emit(ran="compile_or_warm_up_model")
@@ -283,7 +424,7 @@ def pickled_step(worker):
 
 def failing_pickled_step(worker):
     emit(ran="failing_pickled_step")
-    raise ValueError("collective failed")
+    raise failure(ValueError, "collective failed")
 
 
 class FakeResponseQueue:
@@ -315,13 +456,43 @@ def run_child(path: str, case: dict) -> None:
     logging.getLogger(LOGGER_NAME).addHandler(handler)
     if case.get("monitor"):
         return run_monitor(path, case)
+    try:
+        prepared = prepare(path)
+    except UnknownSwitch as e:
+        emit(escaped=f"UnknownSwitch: {e}")
+        sys.exit(3)
+    drive(path, *prepared, case)
 
+
+class UnknownSwitch(Exception):
+    """The loop reads an attribute that the module sets from something these cases cannot know."""
+
+
+def prepare(path: str):
+    """The stand-in WorkerProc class, the file's class and what __init__ sets plainly;
+    raises UnknownSwitch for a class whose loop reads a switch of unknown value."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    plain, unknown = init_settings(tree, worker_proc_class(tree))
+    if unknown:
+        raise UnknownSwitch(unknown)
     worker_proc_type, cls = extract_worker_proc(path)
     if not hasattr(worker_proc_type, "ResponseStatus"):  # a nested Enum, not extracted
         worker_proc_type.ResponseStatus = types.SimpleNamespace(SUCCESS="SUCCESS", FAILURE="FAILURE")
+    return worker_proc_type, cls, plain
+
+
+def drive(path: str, worker_proc_type, cls, plain, case: dict) -> None:
+    """One case's calls through the loop of a stand-in worker, left as __init__ leaves it."""
+    CASE["error"] = case.get("error")
+    CASE["fail"] = tuple(case.get("fail") or ("execute_model",))
     proc = worker_proc_type.__new__(worker_proc_type)  # as tests make it: no __init__
-    # The class as __init__ leaves it: fault tolerance off (vLLM's default) unless the
-    # case says otherwise; "absent": a release whose ParallelConfig has no such field.
+    module = next((f.__globals__ for f in vars(worker_proc_type).values() if isinstance(f, types.FunctionType)), {})
+    init_scope = {**module, "self": proc}  # the file's own imports: threading.Event() and the like
+    for stmt in plain:
+        exec(compile(ast.fix_missing_locations(ast.Module(body=[stmt], type_ignores=[])), path, "exec"), init_scope)
+    # Fault tolerance as __init__ reads it: off (vLLM's default) unless the case says
+    # otherwise; "absent": a release whose ParallelConfig has no such field.
     fault_tolerance = case.get("fault_tolerance")
     if fault_tolerance is None:
         fault_tolerance = False
@@ -468,40 +639,146 @@ def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_tear
     return Outcome(done.returncode, done.stdout, done.stderr, timed_out=False)
 
 
+def run_forked(target: str, prepared, case: dict) -> Outcome:
+    """One case in a fork of this process, which has the loop extracted already: the
+    judgement's matrix is hundreds of cases, and a fresh Python each would take minutes."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the case
+        try:
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
+            try:
+                drive(target, *prepared, case)
+            except QueueDrained:
+                emit(drained=True)
+            except BaseException as e:
+                emit(escaped=f"{type(e).__name__}: {e}")
+                sys.stdout.flush()
+                os._exit(70)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    chunks, deadline, timed_out = [], time.monotonic() + CASE_TIMEOUT_SECONDS, False
+    import select
+
+    with os.fdopen(read_end, "rb") as pipe:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([pipe], [], [], left)[0]:
+                timed_out = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(pipe.fileno(), 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    text = b"".join(chunks).decode("utf-8", "replace")
+    return Outcome(None if timed_out else os.waitstatus_to_exitcode(status), text, text, timed_out)
+
+
+def one_rank_calls(text: str, cls: ast.ClassDef) -> list[dict]:
+    """The model steps the executor sends with one output rank, as the file has them:
+    execute_model, sample_tokens (0.11.1 on) and execute_dummy_batch where its
+    executor sends that. (A pickled callable or a utility call comes from the engine's
+    collective_rpc, which every rank answers: those are all-rank calls below.)"""
+    calls = [{"method": "execute_model"}]
+    if '"sample_tokens"' in text:
+        calls.append({"method": "sample_tokens", "fail": ["sample_tokens"]})
+    if '"execute_dummy_batch"' in text:
+        calls.append({"method": "execute_dummy_batch", "fail": ["execute_dummy_batch"]})
+    return calls
+
+
+ALL_RANK_CALLS = [
+    {"method": "execute_model"},  # with a KV or EC connector every rank answers a step
+    {"method": "failing_pickled_step", "pickled": True},
+    {"method": "check_health", "fail": ["check_health"]},
+]
+WORLD_SIZE = 4
+
+
 def behaviour(target: str) -> str:
-    """What a file's worker loop does when a call fails, driven as the tests drive it:
-    "exits" (a failing rank that does not answer the call exits with status 1 and sends
-    nothing, while the output rank and an all-rank call reply), "replies" (every rank
-    replies its own failure, as 0.6.5-0.8.4 do), "drops" (this bug: the failure is
-    dropped and the rank serves on), or "unknown" (a loop these cases cannot drive).
+    """What a file's worker loop does when a call fails, driven as the tests drive it, on
+    the class as __init__ leaves it (with fault tolerance off, where the file has it):
+    every rank of a world of WORLD_SIZE failing each call the executor sends, with each
+    of ERRORS, against output rank 0, 1 and 2, and on calls that every rank answers.
+
+    "exits": for a call with one output rank, every other rank that fails it exits with
+    status 1 and sends nothing, and the output rank replies its failure (then goes on
+    or exits); every rank replies its failure to a call every rank answers (then goes
+    on or exits); a call that succeeds goes on. "replies": a loop whose calls every rank
+    answers (before 0.8.5: no output rank at all), where every failing rank replies and
+    goes on. "drops": a failure that no one reads, on a rank that goes on (this bug,
+    also where a rank replies to a call whose reply the executor does not read).
+    "unknown": anything else, a loop these cases cannot drive, or one whose class
+    __init__ sets a switch the loop reads from something other than fault tolerance.
     apply.py asks this of a file that no diff fits: `python3 THIS_FILE --behaviour PATH`."""
     try:
         with open(target, encoding="utf-8") as f:
             text = f.read()
         cls = worker_proc_class(ast.parse(text))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, AssertionError):
+        prepared = prepare(target)
+    except Exception:
         return "unknown"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger(LOGGER_NAME).addHandler(handler)
     setting = False if "enable_fault_tolerance" in text else None  # off, where the file has it
-    output_rank = 0 if uses_rank0_only(cls) else 1
+    rank0_only = uses_rank0_only(cls)
+    every_rank_answers = request_size(cls) == 3
+    errors = sorted(ERRORS)
 
-    def fail(rank, answered_by):
-        return run_case(target, rank, [{"method": "execute_model", "output_rank": answered_by}],
-                        fault_tolerance=setting)
+    def run(rank, call, output_rank, error=None, succeed=False):
+        step = {"method": "sample_tokens"} if succeed else call
+        case = {"rank": rank, "calls": [{**step, "output_rank": output_rank}], "fail": step.get("fail"),
+                "fault_tolerance": setting, "error": error}
+        return run_forked(target, prepared, case)
+
+    def clean(outcome):
+        return not outcome.escaped and not outcome.timed_out
 
     def replied(outcome):
-        return (outcome.returncode == 0 and outcome.drained and not outcome.escaped
-                and [r["reply"] for r in outcome.replies] == ["failure"])
+        # Its failure reaches the caller; the rank may go on, or exit once it has replied.
+        return (clean(outcome) and [r["reply"] for r in outcome.replies] == ["failure"]
+                and ((outcome.returncode == 0 and outcome.drained) or outcome.returncode == 1))
 
-    if not (replied(fail(output_rank, output_rank)) and replied(fail(0, None))):
+    def dropped(outcome):
+        return clean(outcome) and outcome.returncode == 0 and outcome.drained
+
+    found = set()
+    for rank in range(WORLD_SIZE):
+        for error in errors:
+            for call in ALL_RANK_CALLS:
+                found.add("replies" if replied(run(rank, call, None, error)) else "unknown")
+    if every_rank_answers:
+        return "replies" if found == {"replies"} else "unknown"
+    if found != {"replies"}:
         return "unknown"
-    other = fail(1 if output_rank == 0 else 0, output_rank)
-    if other.returncode == 1 and not other.replies and not other.escaped and not other.timed_out:
-        return "exits"
-    if replied(other):
-        return "replies"
-    if other.returncode == 0 and other.drained and not other.replies:
-        return "drops"
-    return "unknown"
+    output_ranks = [0] if rank0_only else [0, 1, 2]
+    for output_rank in output_ranks:
+        for rank in range(WORLD_SIZE):
+            healthy = run(rank, {}, output_rank, succeed=True)
+            expected = [{"reply": "success", "value": "token-7"}] if rank == output_rank else []
+            if not (dropped(healthy) and healthy.replies == expected):
+                return "unknown"  # a loop that fails healthy calls is no fix
+            for call in one_rank_calls(text, cls):
+                for error in errors:
+                    outcome = run(rank, call, output_rank, error)
+                    if rank == output_rank:
+                        if not replied(outcome):
+                            return "unknown"
+                    elif dropped(outcome):
+                        return "drops"  # replied to no reader, or not at all, and served on
+                    elif not (outcome.returncode == 1 and not outcome.replies and clean(outcome)):
+                        return "unknown"
+    return "exits"
 
 
 class WorkerLoopTest(unittest.TestCase):

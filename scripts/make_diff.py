@@ -13,6 +13,11 @@ To regenerate the bundle's diff for a release after editing its copy (kept
 outside the repo, e.g. in ~/.cache/rank-exception-fatal/edited/vX/):
 
     python3 scripts/make_diff.py "$(python3 scripts/fetch_release.py X)/vllm/v1/executor/multiproc_executor.py" EDITED > patches/vX.diff
+
+After any change to releases/releases.tsv (a row added, a fixed_sha256 changed), seal it
+again: its first line is the sha256 of the rest, which apply.py checks as it checks a diff's:
+
+    python3 scripts/make_diff.py --table
 """
 from __future__ import annotations
 
@@ -104,8 +109,28 @@ def make_diff(old: str, new: str) -> str:
     return f"{HEADER}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
 
 
+TABLE_HEADER = "# sha256 of the lines below: "  # apply.py's DIFF_HEADER: the table is sealed as a diff is
+
+
+def seal_table(path: str) -> None:
+    """Write the release table's first line again: the sha256 of the lines below it,
+    which apply.py checks (a row edited by hand, or a table cut short, is a bundle error).
+    Run after every change to releases/releases.tsv: python3 scripts/make_diff.py --table"""
+    with open(path, encoding="utf-8", newline="") as f:
+        text = f.read()
+    if text.startswith(TABLE_HEADER):
+        text = text.partition("\n")[2]
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(f"{TABLE_HEADER}{hashlib.sha256(text.encode('utf-8')).hexdigest()}\n{text}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["--table"]:
+        from fetch_release import TABLE
+
+        seal_table(args[1] if len(args) > 1 else TABLE)
+        return 0
     if len(args) != 2:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 6
