@@ -11,7 +11,7 @@ steps: two worker processes answer every step of a model step that every rank an
 (a KV connector's): rank 0 a small reply after 0.15 s, rank 1 a reply of 30 MiB, above
 the response queue's chunk, so that it goes out as a slot and then a payload over zmq;
 the writer pauses 50 ms between the two, as a descheduled thread would. The file's
-collective_rpc reads 14 steps: {"steps": N read whole, "errors": [...]}.
+collective_rpc reads STEPS (8) steps: {"steps": N read whole, "errors": [...]}.
 
 flush: a WorkerProc of the file (made as vLLM's own tests make one, without __init__)
 holds an earlier reply of 30 MiB whose payload its writer sends 0.2 s late, then fails a
