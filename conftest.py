@@ -11,6 +11,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scr
 
 from fetch_release import TARGET, release_tree  # noqa: E402
 
+# vLLM's own tests and ours in their style run inside vLLM's test tree, with the install's
+# Python (live_server/test_vllm_tests.py), not here.
+collect_ignore = ["live_server/vllm_tests"]
+
 
 @pytest.fixture
 def make_tree(tmp_path):
