@@ -782,10 +782,18 @@ def check_table(diffs: Sequence[str]) -> None:
         raise Failure(BAD_BUNDLE, f"releases/releases.tsv {problem}")
 
 
+def between_releases(diff_name: str) -> bool:
+    """main-COMMIT.diff: a diff for a shape of upstream main that no release has, which the
+    release table does not name (releases/builds.tsv does, for tests; none fits a release)."""
+    commit = diff_name[len("main-") : -len(".diff")]
+    return diff_name.startswith("main-") and diff_name.endswith(".diff") and len(commit) == 8 and set(commit) <= HEX_DIGITS
+
+
 def decide_by_hash(data: bytes) -> Decision | None:
     """The decision for a file the release table knows, without parsing a diff: parsing
     costs more than the rest of a --check together. None for any other file, and when
-    patches/ is not the set of diffs the table names (then parsing gives the reason)."""
+    patches/ is not the set of diffs the table names, and those for upstream main between
+    releases (then parsing gives the reason)."""
     try:
         with open(TABLE, encoding="utf-8") as f:
             known = known_files(f.read())
@@ -793,7 +801,8 @@ def decide_by_hash(data: bytes) -> Decision | None:
     except (OSError, UnicodeDecodeError, ValueError, IndexError):
         return None
     decision = known.get(sha256_hex(data))
-    if decision is None or names != sorted({d.fix.name for d in known.values()}):
+    named = {d.fix.name for d in known.values()}
+    if decision is None or not named <= set(names) or not all(between_releases(n) for n in set(names) - named):
         return None
     for name in names:  # whole, as a parse would first check
         try:
@@ -961,10 +970,16 @@ def decide_any(text: str | None, fixes: Sequence[Fix], *, exact: bool) -> tuple[
     return Decision(adaptation.state, adaptation.fix), adaptation
 
 
+def written_for(diff_name: str) -> str:
+    """vX.Y.Z.diff: "vllm X.Y.Z"; main-COMMIT.diff (a shape of upstream main that no
+    release has): "upstream main at COMMIT"."""
+    stem = diff_name[: -len(".diff")]
+    return f"upstream main at {stem[len('main-'):]}" if stem.startswith("main-") else f"vllm {stem[1:]}"
+
+
 def adapted_words(adaptation: Adaptation) -> str:
-    release = adaptation.fix.name[1 : -len(".diff")]
     return (
-        f"adapted: placed by its own lines ({len(adaptation.fix.hunks)} places); written for vllm {release},"
+        f"adapted: placed by its own lines ({len(adaptation.fix.hunks)} places); written for {written_for(adaptation.fix.name)},"
         f" whose changed functions differ here in {adaptation.differing} line{'s' * (adaptation.differing != 1)}"
     )
 
@@ -1031,18 +1046,29 @@ def closest_difference(lines: Sequence[str], fixes: Sequence[Fix]) -> str:
         if all(p or r for p, r in zip(patched, pristine)) and any(patched) and not all(patched):
             done = ", ".join(str(n) for n, p in enumerate(patched, 1) if p)
             return f"half-applied: {fix.name} hunk {done} is in place, the rest is not (a patch tool stopped half-way?)"
+    # The diff nearest to the file's own shape: the one with the largest share of its
+    # text in place, over all its hunks. (The hunk nearest on its own can belong to a
+    # diff far from this file: a function that many releases share stands in it whole.)
+    # Then, of that diff's hunks that do not stand, the one nearest to standing.
     best = None
     for fix in fixes:
+        in_place, size, misses = 0.0, 0, []
         for number, hunk in enumerate(fix.hunks, 1):
-            for side, block in (("release", hunk.before), ("fixed", hunk.after)):
-                if find_block(lines, block):
-                    continue  # this one stands; the difference is elsewhere
-                near = nearest(lines, block)
-                if best is None or near[0] > best[0]:
-                    best = (*near, fix, number, side, block)
+            size += len(hunk.before)
+            if find_block(lines, hunk.before) or find_block(lines, hunk.after):
+                in_place += len(hunk.before)  # this one stands; the difference is elsewhere
+                continue
+            near, side, block = max(
+                ((nearest(lines, block), side, block) for side, block in (("release", hunk.before), ("fixed", hunk.after))),
+                key=lambda candidate: candidate[0][0],
+            )
+            in_place += near[0] * len(hunk.before)
+            misses.append((*near, fix, number, side, block))
+        if misses and (best is None or in_place / size > best[0]):
+            best = (in_place / size, max(misses, key=lambda miss: miss[0]))
     if best is None:
         return "each hunk's text stands, but not in the diff's order"
-    _, start, matcher, fix, number, side, block = best
+    _, start, matcher, fix, number, side, block = best[1]
     region = matcher.a
     for tag, i1, _, j1, _ in matcher.get_opcodes():
         # Lines of the file before or after the block are not part of the difference.
@@ -1600,7 +1626,13 @@ def how_to_restore(distribution: Distribution | None, path: str) -> str:
     if tree and os.path.isdir(os.path.join(tree, ".git")):  # pip install -e, setup.py develop
         return f"git -C {tree} checkout -- {TARGET} (the file as the checked-out commit has it)"
     if distribution is None:
-        return "reinstall the distribution that installed vllm (pip install --force-reinstall --no-deps NAME==VERSION)"
+        # No metadata names a version: a source tree on PYTHONPATH, a copy, an image layer.
+        # A version number to reinstall would be a guess, and a build of upstream main has none.
+        return (
+            "put back the file of the source this tree came from (a vLLM checkout: git checkout -- "
+            f"{TARGET}; a copy or an image: the original), or, if a wheel installed it, "
+            "pip install --force-reinstall --no-deps NAME==VERSION"
+        )
     version = distribution.version
     public, _, local = version.partition("+")
     # 0.14.0rc1.dev165+gb3a2bdf1a.d20260113.empty: built from upstream commit b3a2bdf1a.

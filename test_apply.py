@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import apply
+import fetch_release
 from conftest import TARGET, release_bytes
 
 APPLY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apply.py")
@@ -1422,6 +1423,34 @@ def test_the_drift_hint_fits_how_vllm_was_built(build, make_tree, capsys):
     assert "Gaudi fork" not in err
 
 
+def test_a_tree_without_metadata_is_told_to_put_back_its_source(make_tree, capsys):
+    """A source tree on PYTHONPATH, a copy: no version to reinstall, so none is guessed."""
+    root = make_tree("0.30.0")
+    write(target(root), change_a_loop_line(release_bytes("0.30.0")))
+    assert apply.main(["--root", root]) == 2
+    err = capsys.readouterr().err
+    assert "version unknown" in err, err
+    assert f"  next: put back the file of the source this tree came from (a vLLM checkout: git checkout -- {TARGET};" in err
+
+
+def test_drift_names_the_diff_nearest_to_the_files_shape(make_tree, capsys):
+    """Upstream main of early October 2025 (vllm-gaudi's pins of 2025-10-05 to 10-11) wrote
+    its annotations as Optional[...], where the window's diff made from vllm-tpu 0.11.1's
+    file reads `X | None`: the message names that diff, whose text stands but for that,
+    not a diff of another shape that shares one function with the file."""
+    build = next(b for b in fetch_release.read_builds() if b.diff == "main-8fcaaf6a.diff")
+    root = make_tree("0.30.0")
+    with open(os.path.join(fetch_release.build_tree(build), TARGET), "rb") as f:
+        data = f.read()
+    new = b"    def worker_busy_loop(self, cancel: threading.Event | None = None):\n"
+    assert data.count(new) == 1
+    write(target(root), data.replace(new, b"    def worker_busy_loop(self, cancel: Optional[threading.Event] = None):\n"))
+    assert apply.main(["--root", root, "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "  closest: main-8fcaaf6a.diff hunk " in err, err
+    assert "    found:    '    def worker_busy_loop(self, cancel: Optional[threading.Event] = None):\\n'" in err, err
+
+
 def test_an_editable_checkout_is_restored_from_its_commit(make_tree, capsys):
     """pip install -e . (vllm-gaudi's guide) or setup.py develop: the file lives in a git checkout,
     with the build's metadata beside vllm/."""
@@ -1478,8 +1507,6 @@ def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tm
     """Already fixed otherwise, or never broken: nothing to write, and the gate passes."""
     version, edit, code, state = BEHAVIOURS[case]
     if version is None:
-        import fetch_release
-
         root = str(tmp_path / "tree")
         shutil.copytree(fetch_release.unlisted_release_tree(*UNAFFECTED_RELEASE), root)
         data = read(target(root))

@@ -63,11 +63,38 @@ def run_loop_test(root: str, version: str) -> subprocess.CompletedProcess:
     )
 
 
+ALL_BUILDS = fetch_release.read_builds()
+
+
+def made_from(diff: str) -> str:
+    """The tree whose file a diff was made from: the release it is named after (vX.Y.Z.diff),
+    or, for a shape no release has (main-COMMIT.diff, upstream main between releases), the
+    first build of releases/builds.tsv that it fits."""
+    if diff.startswith("v"):
+        return release_tree(diff[1:-len(".diff")])
+    return fetch_release.build_tree(next(build for build in ALL_BUILDS if build.diff == diff))
+
+
 def test_table_and_bundle_agree():
-    """Every diff fixes some listed release and is named after one of them."""
-    assert set(DIFFS) == {release.diff for release in TABLE_ROWS.values()}
+    """Every diff fixes some listed release or real build, and is named after a release it fixes
+    or, if it fixes none, after the upstream commit of the build it was made from."""
+    assert set(DIFFS) == {release.diff for release in TABLE_ROWS.values()} | {build.diff for build in ALL_BUILDS}
     for diff in DIFFS:
-        assert TABLE_ROWS[diff[1:-len(".diff")]].diff == diff, diff
+        if diff.startswith("v"):
+            assert TABLE_ROWS[diff[1:-len(".diff")]].diff == diff, diff
+        else:
+            commit = re.fullmatch(r"main-([0-9a-f]{8})\.diff", diff).group(1)
+            assert any(build.diff == diff and f" {commit} " in f" {build.what} " for build in ALL_BUILDS), diff
+
+
+def test_each_release_is_decided_by_its_text_as_by_its_hash():
+    """--check decides a known file by its sha256 without parsing a diff; parsed, the same
+    file fits the same diff and no other (a diff for upstream main between releases among them)."""
+    fixes = apply.read_bundle()
+    for version in RELEASE_FILES:
+        decision = apply.decide(release_bytes(version).decode("utf-8"), fixes)
+        assert (decision.state, decision.fix.name) == ("not-applied", TABLE_ROWS[version].diff), version
+        assert apply.decide_by_hash(release_bytes(version)).fix.name == TABLE_ROWS[version].diff, version
 
 
 def test_readme_summary_says_what_the_table_says():
@@ -215,13 +242,28 @@ def test_diff_passes_stock_tools_on_its_releases(diff, version, make_tree):
         assert f.read() == release_bytes(version)
 
 
+@pytest.mark.parametrize("build", ALL_BUILDS, ids=[f"{b.project}-{b.version}" for b in ALL_BUILDS])
+def test_diff_passes_stock_tools_on_its_builds(build, tmp_path):
+    """As on the releases: a build's diff applies with git apply and patch -F0, without fuzz,
+    and without offset on the build it was made from."""
+    root = os.path.join(str(tmp_path), "tree")
+    shutil.copytree(fetch_release.build_tree(build), root)
+    diff_path = os.path.join(apply.PATCHES_DIR, build.diff)
+    dry = subprocess.run(["patch", "-p1", "-F0", "--dry-run", "-i", diff_path], cwd=root, capture_output=True, text=True)
+    assert dry.returncode == 0 and "fuzz" not in dry.stdout, dry.stdout + dry.stderr
+    if made_from(build.diff) == fetch_release.build_tree(build):
+        assert "offset" not in dry.stdout, dry.stdout
+    assert subprocess.run(["git", "apply", "--check", "-p1", diff_path], cwd=root).returncode == 0
+
+
 @pytest.mark.parametrize("diff", DIFFS)
-def test_diff_carries_whole_functions(diff, make_tree):
+def test_diff_carries_whole_functions(diff, tmp_path):
     """The committed diff is what make_diff.py writes: its context covers each changed function."""
-    version = diff[1:-len(".diff")]
-    root = make_tree(version)
+    source = made_from(diff)
+    root = os.path.join(str(tmp_path), "tree")
+    shutil.copytree(source, root)
     subprocess.run(["git", "apply", os.path.join(apply.PATCHES_DIR, diff)], cwd=root, check=True)
-    with open(os.path.join(release_tree(version), TARGET), encoding="utf-8") as f:
+    with open(os.path.join(source, TARGET), encoding="utf-8") as f:
         old = f.read()
     with open(os.path.join(root, TARGET), encoding="utf-8") as f:
         new = f.read()
