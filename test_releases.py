@@ -119,8 +119,9 @@ def test_release_page_lists_what_the_table_says():
 
 
 # The loop test mostly waits (for a rank's exit, a stuck peer's deadline), so the runs of
-# every release are started together, a few at a time, and each release's test reads its own.
-LOOP_RUNS_AT_ONCE = 6
+# every release are started together, four at a time (each case has CASE_TIMEOUT_SECONDS;
+# two cores), and each release's test reads its own.
+LOOP_RUNS_AT_ONCE = 4
 
 
 @pytest.fixture(scope="module")
