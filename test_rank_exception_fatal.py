@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -1114,12 +1115,17 @@ class ExecutorReadTest(unittest.TestCase):
             vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
         )
 
-    def call(self, executor, method, timeout, aggregated=True):
+    def call(self, executor, method, timeout, aggregated=True, non_block=False):
+        """The call's result; with non_block, a future whose result() reads it (before
+        0.11.1, where no call is sent ahead, one that makes the call then)."""
         if not self.takes_aggregator:
             reply_rank = None if aggregated else 0
-            return self.collective_rpc(executor, method, timeout=timeout, args=(None,), unique_reply_rank=reply_rank)
+            read = functools.partial(self.collective_rpc, executor, method, timeout=timeout, args=(None,),
+                                     unique_reply_rank=reply_rank)
+            return types.SimpleNamespace(result=read) if non_block else read()
         extra = {"kv_output_aggregator": StandInAggregator()} if aggregated else {}
-        return self.collective_rpc(executor, method, timeout=timeout, args=(None,), unique_reply_rank=0, **extra)
+        return self.collective_rpc(executor, method, timeout=timeout, args=(None,), unique_reply_rank=0,
+                                   non_block=non_block, **extra)
 
     def stuck_rank_0_failed_rank_1(self):
         return (
@@ -1132,6 +1138,8 @@ class ExecutorReadTest(unittest.TestCase):
 
         def shut_down():
             time.sleep(seconds)
+            for worker in executor.workers:
+                worker.worker_response_mq = None  # as shutdown() does, before it cancels a read
             executor.shutdown_event.set()
             for queue in executor.response_mqs:
                 queue.shutdown()
@@ -1141,16 +1149,19 @@ class ExecutorReadTest(unittest.TestCase):
     def test_a_failed_step_ends_with_the_workers_error(self):
         # Rank 1 replied its failure and exited; rank 0 waits in a collective for it
         # until the worker monitor's shutdown() cancels the read. The step ends with
-        # rank 1's error, not the cancellation, and so does the step's next call.
+        # rank 1's error, not the cancellation, and so does the step's next call, sent
+        # before the shutdown (async scheduling sends it ahead) and read after it.
         if not self.reads_response_mqs:
             return
         for method in ("execute_model", "sample_tokens") if self.remembers_a_failed_step else ("execute_model",):
             with self.subTest(method=method):
                 executor = self.executor(*self.stuck_rank_0_failed_rank_1())
-                self.shut_down_after(executor, 0.2)
-                for call in (method, "sample_tokens") if self.remembers_a_failed_step else (method,):
+                calls = (method, "sample_tokens") if self.remembers_a_failed_step else (method,)
+                self.shut_down_after(executor, 0.2)  # the calls below are sent well before it
+                sent = [(call, self.call(executor, call, timeout=5, non_block=True)) for call in calls]
+                for call, future in sent:
                     with self.assertRaises(Exception) as raised:
-                        self.call(executor, call, timeout=5)
+                        future.result()
                     self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
                     self.assertIn("rank 1: device out of memory", str(raised.exception), call)
 

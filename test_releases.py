@@ -69,7 +69,7 @@ ALL_BUILDS = fetch_release.read_builds()
 def made_from(diff: str) -> str:
     """The tree whose file a diff was made from: the release it is named after (vX.Y.Z.diff),
     or, for a shape no release has (main-COMMIT.diff, upstream main between releases), the
-    first build of releases/builds.tsv that it fits."""
+    first build of releases/builds.tsv that names it."""
     if diff.startswith("v"):
         return release_tree(diff[1:-len(".diff")])
     return fetch_release.build_tree(next(build for build in ALL_BUILDS if build.diff == diff))
