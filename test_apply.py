@@ -1434,10 +1434,10 @@ def test_a_tree_without_metadata_is_told_to_put_back_its_source(make_tree, capsy
 
 
 def test_drift_names_the_diff_nearest_to_the_files_shape(make_tree, capsys):
-    """Upstream main of early October 2025 (vllm-gaudi's pins of 2025-10-05 to 10-11) wrote
-    its annotations as Optional[...], where the window's diff made from vllm-tpu 0.11.1's
-    file reads `X | None`: the message names that diff, whose text stands but for that,
-    not a diff of another shape that shares one function with the file."""
+    """vllm-tpu 0.11.1's file (upstream main of 2025-10-12) with one annotation written as
+    Optional[...], as main wrote them a week before: no diff fits, and the message names
+    the one whose text stands here but for that line, not a diff of another shape that
+    shares one function with the file."""
     build = next(b for b in fetch_release.read_builds() if b.diff == "main-8fcaaf6a.diff")
     root = make_tree("0.30.0")
     with open(os.path.join(fetch_release.build_tree(build), TARGET), "rb") as f:

@@ -192,20 +192,24 @@ def test_release_is_fixed_and_proven(version, make_tree, loop_runs, capsys):
 BUILDS = ALL_BUILDS[:1] if os.environ.get("RANK_EXCEPTION_FATAL_RELEASES") == "named" else ALL_BUILDS
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=[f"{b.project}-{b.version}" for b in BUILDS])
+@pytest.mark.parametrize("build", BUILDS, ids=[fetch_release.build_name(b) for b in BUILDS])
 def test_a_real_build_between_releases_is_fixed_and_proven(build, tmp_path, capsys):
-    """Upstream main at a nightly, a vendor's build: the file is not a release's, the gate
-    still knows it, and the fix on it passes the loop test."""
+    """Upstream main at a nightly or a vllm-gaudi pin, a vendor's build: the file is not a
+    release's, the gate still knows it (its diff exactly, or adapted and proven before the
+    write), and the fix on it passes the loop test."""
     root = str(tmp_path / "tree")
     shutil.copytree(fetch_release.build_tree(build), root)
     path = os.path.join(root, TARGET)
     with open(path, "rb") as f:
         build_bytes = f.read()
     assert hashlib.sha256(build_bytes).hexdigest() not in {r.sha256 for r in TABLE_ROWS.values()}, "not a release's"
+    assert apply.main(["--root", root, "--exact", "--check"]) == (1 if build.fits == "exactly" else 2)
+    capsys.readouterr()
     assert apply.main(["--root", root, "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert (report["diff"], report["adapted"]) == (build.diff, False), report
+    assert (report["diff"], report["adapted"]) == (build.diff, build.fits == "adapted"), report
     assert apply.main(["--root", root]) == 0
+    assert apply.main(["--root", root, "--check"]) == 0
     patched = run_loop_test_on(root)
     assert patched.returncode == 0 and re.search(r"^OK$", patched.stderr, re.M), patched.stderr
     assert apply.main(["--root", root, "--revert"]) == 0
@@ -241,10 +245,14 @@ def test_diff_passes_stock_tools_on_its_releases(diff, version, make_tree):
         assert f.read() == release_bytes(version)
 
 
-@pytest.mark.parametrize("build", ALL_BUILDS, ids=[f"{b.project}-{b.version}" for b in ALL_BUILDS])
+EXACT_BUILDS = [build for build in ALL_BUILDS if build.fits == "exactly"]
+
+
+@pytest.mark.parametrize("build", EXACT_BUILDS, ids=[fetch_release.build_name(b) for b in EXACT_BUILDS])
 def test_diff_passes_stock_tools_on_its_builds(build, tmp_path):
     """As on the releases: a build's diff applies with git apply and patch -F0, without fuzz,
-    and without offset on the build it was made from."""
+    and without offset on the build it was made from. (An adapted build's is placed by apply.py
+    alone: its diff's whole functions differ there.)"""
     root = os.path.join(str(tmp_path), "tree")
     shutil.copytree(fetch_release.build_tree(build), root)
     diff_path = os.path.join(apply.PATCHES_DIR, build.diff)

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -283,8 +284,12 @@ def release_tree(version: str) -> str:
     return tree
 
 
-# project, version, wheel, sha256, diff, what (releases/builds.tsv)
-Build = namedtuple("Build", "project version wheel sha256 diff what")
+# project, version, wheel: the wheel a build's file is read from; sha256: the build's file;
+# diff: the diff that fixes it; fits: "exactly" (git apply takes the diff) or "adapted"
+# (apply.py places the diff's own lines and proves the result); change: "-", or a file of
+# test_inputs/ that makes the build's file from the wheel's (an upstream commit that only
+# GitHub holds, which CI cannot reach); what: where the build comes from (releases/builds.tsv).
+Build = namedtuple("Build", "project version wheel sha256 diff fits change what")
 
 
 def read_builds(path: str = BUILDS) -> list[Build]:
@@ -293,12 +298,22 @@ def read_builds(path: str = BUILDS) -> list[Build]:
     header, *rows = list(csv.reader(lines, delimiter="\t"))
     if tuple(header) != Build._fields:
         raise ValueError(f"{path}: the header must be {' '.join(Build._fields)}, not {' '.join(header)}")
-    return [Build(*row) for row in rows]
+    builds = [Build(*row) for row in rows]
+    for build in builds:
+        if build.fits not in ("exactly", "adapted") or not (build.change == "-" or build.change.startswith("test_inputs/")):
+            raise ValueError(f"{path}: {build_name(build)}: fits is exactly or adapted, change is - or test_inputs/FILE")
+    return builds
+
+
+def build_name(build: Build) -> str:
+    """vllm-tpu-0.11.1, or vllm-tpu-0.11.1+vllm-d6953beb for that wheel's file with a change."""
+    name = f"{build.project}-{build.version}"
+    return name if build.change == "-" else f"{name}+{os.path.splitext(os.path.basename(build.change))[0]}"
 
 
 def build_tree(build: Build) -> str:
     """The cached directory holding vllm/ for a build of builds.tsv, fetched on first use."""
-    tree = os.path.join(cache_dir(), "builds", f"{build.project}-{build.version}")
+    tree = os.path.join(cache_dir(), "builds", build_name(build))
     path = os.path.join(tree, TARGET)
     try:
         with open(path, "rb") as f:
@@ -307,10 +322,24 @@ def build_tree(build: Build) -> str:
     except FileNotFoundError:
         pass
     data = read_from_wheel(build.wheel, project=build.project)
+    if build.change != "-":
+        data = changed(data, os.path.join(HERE, build.change))
     if sha256(data) != build.sha256:
-        raise ValueError(f"{TARGET} of {build.wheel} does not have the sha256 in releases/builds.tsv")
+        raise ValueError(f"{TARGET} of {build_name(build)} does not have the sha256 in releases/builds.tsv")
     write_atomically(path, data)
     return tree
+
+
+def changed(data: bytes, change: str) -> bytes:
+    """The file that git apply makes of data with the change (a unified diff of TARGET)."""
+    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-build-") as work:
+        path = os.path.join(work, TARGET)
+        os.makedirs(os.path.dirname(path))
+        with open(path, "wb") as f:
+            f.write(data)
+        subprocess.run(["git", "apply", change], cwd=work, check=True)
+        with open(path, "rb") as f:
+            return f.read()
 
 
 def unlisted_release_tree(version: str, expected_sha256: str) -> str:
