@@ -6,7 +6,7 @@
 For each state of the installed file (the release's bytes, then the file that
 apply.py patched, applied with the server's own Python) and each fault, it starts
 a vLLM server (TP=2, mp executor, a tiny model it makes) on 127.0.0.1, injects
-the fault (live_server/fault_plugin; "1:start+0:hang" is rank 1 failing while
+the fault (tests/live_server/fault_plugin; "1:start+0:hang" is rank 1 failing while
 rank 0 hangs deaf to SIGTERM, as a rank stuck in an accelerator collective does)
 and prints the seconds from the fault to: the worker's "WorkerProc hit an
 exception." line, the fix's ERROR line, the monitor's "died unexpectedly" line,
@@ -30,23 +30,22 @@ import json
 from collections.abc import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # the live servers' helpers
 
 from fetch_release import cache_dir  # noqa: E402
+from helpers import run_apply  # noqa: E402
 from live_server.server import (  # noqa: E402
     WATCH_SECONDS,
     fault_on_a_new_server,
     make_model,
     python_of,
-    run_apply,
 )
 
 DEFAULT_FAULTS = ("1:forward", "1:start+0:hang", "0:start")
 
 
 def set_state(python: str, state: str) -> None:
-    done = run_apply(python, *([] if state == "patched" else ["--revert"]))
+    done = run_apply(*([] if state == "patched" else ["--revert"]), python=python)
     if done.returncode != 0:
         raise SystemExit(f"bench_failover.py: apply.py {state}: exit {done.returncode}: {done.stderr.strip()}")
 

@@ -40,42 +40,29 @@ import zipfile
 from collections import namedtuple
 from collections.abc import Sequence
 
-TARGET = "vllm/v1/executor/multiproc_executor.py"
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TABLE = os.path.join(HERE, "releases", "releases.tsv")
+sys.path.insert(0, HERE)  # the bundle's package: its vocabulary and its one reader of the release table
+
+from rank_exception_fatal.bundle import TABLE  # noqa: E402
+from rank_exception_fatal.outcome import TARGET  # noqa: E402
+from rank_exception_fatal.table import Release, read_releases  # noqa: E402
+
 INDEX_URL = "https://pypi.org/simple/{project}/"
 # Real builds between releases that PyPI carries (nightlies of upstream main, vendor
 # builds): project, version, wheel, sha256 of TARGET, the diff that fits it, and what it is.
 BUILDS = os.path.join(HERE, "releases", "builds.tsv")
 TIMEOUT_SECONDS = 60
-
-# version, the diff in patches/ that fixes it, the sha256 of its TARGET and of the
-# file the diff makes of it (apply.py --check decides a known file by these two),
-# whether its parallel config has enable_fault_tolerance (yes/no), the wheel the file
-# is read from, and whether the sdist holds the same bytes (same/differs/none).
-Release = namedtuple("Release", "version diff sha256 fixed_sha256 fault_tolerance wheel sdist")
 COLUMNS = Release._fields
 
 
 def read_table(path: str = TABLE) -> dict[str, Release]:
-    releases: dict[str, Release] = {}
+    """The release table (its seal not checked: a row may have been added, to be sealed
+    with scripts/make_diff.py --table); ValueError if a row is malformed."""
     with open(path, encoding="utf-8", newline="") as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
-    header, *rows = list(csv.reader(lines, delimiter="\t"))
-    if tuple(header) != COLUMNS:
-        raise ValueError(f"{path}: the header must be {' '.join(COLUMNS)}, not {' '.join(header)}")
-    for row in rows:
-        release = Release(*row)
-        if (
-            not all(re.fullmatch(r"[0-9a-f]{64}", digest) for digest in (release.sha256, release.fixed_sha256))
-            or release.fault_tolerance not in ("yes", "no")
-            or release.sdist not in ("same", "differs", "none")
-        ):
-            raise ValueError(f"{path}: bad row {row}")
-        if release.version in releases:
-            raise ValueError(f"{path}: {release.version} is listed twice")
-        releases[release.version] = release
-    return releases
+        try:
+            return read_releases(f.read(), sealed=False)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
 TABLE_ROWS = read_table()
@@ -287,7 +274,7 @@ def release_tree(version: str) -> str:
 # project, version, wheel: the wheel a build's file is read from; sha256: the build's file;
 # diff: the diff that fixes it; fits: "exactly" (git apply takes the diff) or "adapted"
 # (apply.py places the diff's own lines and proves the result); change: "-", or a file of
-# test_inputs/ that makes the build's file from the wheel's (an upstream commit that only
+# tests/inputs/ that makes the build's file from the wheel's (an upstream commit that only
 # GitHub holds, which CI cannot reach); what: where the build comes from (releases/builds.tsv).
 Build = namedtuple("Build", "project version wheel sha256 diff fits change what")
 
@@ -300,8 +287,8 @@ def read_builds(path: str = BUILDS) -> list[Build]:
         raise ValueError(f"{path}: the header must be {' '.join(Build._fields)}, not {' '.join(header)}")
     builds = [Build(*row) for row in rows]
     for build in builds:
-        if build.fits not in ("exactly", "adapted") or not (build.change == "-" or build.change.startswith("test_inputs/")):
-            raise ValueError(f"{path}: {build_name(build)}: fits is exactly or adapted, change is - or test_inputs/FILE")
+        if build.fits not in ("exactly", "adapted") or not (build.change == "-" or build.change.startswith("tests/inputs/")):
+            raise ValueError(f"{path}: {build_name(build)}: fits is exactly or adapted, change is - or tests/inputs/FILE")
     return builds
 
 

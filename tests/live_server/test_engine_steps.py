@@ -29,11 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from fetch_release import cache_dir  # noqa: E402
+from helpers import run_apply  # noqa: E402
 from live_server.server import (  # noqa: E402
     group_left,
     make_model,
     python_of,
-    run_apply,
     shm_left,
     with_private_shm,
 )
@@ -90,14 +90,14 @@ def harness_runs(model):
     def run(version: str, state: str) -> dict:
         if (version, state) not in runs:
             python = python_of(venv(version))
-            done = run_apply(python, *(() if state == "patched" else ("--revert",)))
+            done = run_apply(*(() if state == "patched" else ("--revert",)), python=python)
             assert done.returncode == 0, done.stdout + done.stderr
             runs[version, state] = run_harness(python, model)
         return runs[version, state]
 
     yield run
     for version in {version for version, _ in runs}:
-        assert run_apply(python_of(venv(version)), "--revert").returncode == 0
+        assert run_apply("--revert", python=python_of(venv(version))).returncode == 0
 
 
 def run_harness(python: str, model: str) -> dict:

@@ -1,7 +1,7 @@
 """`apply.py --verify`: prove that the vLLM this node will run fails fast, on vLLM's own code.
 
-apply.py calls run(path). It starts a harness child (this file with --harness),
-the only process that imports vLLM, so apply.py itself never does. The harness
+apply.py calls run(path). It starts a harness child (children.py: harness), the
+only process that imports vLLM, so apply.py itself never does. The harness
 imports vllm.v1.executor.multiproc_executor by its real import path, forks two
 worker processes that run the package's real WorkerProc RPC loop, fed through
 the package's real shared-memory MessageQueue as the executor creates it, with
@@ -31,7 +31,11 @@ import sys
 import tempfile
 import time
 
-FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT, CANNOT_RUN = 0, 7, 8, 11
+from .spawn import child_command
+from .outcome import OK, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN, VERIFY_NOT_FAIL_FAST
+from .stand_ins import StandInExecutor, stuck_in_a_collective
+
+FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT, CANNOT_RUN = OK, VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN
 HARNESS_TIMEOUT_SECONDS = 180  # vLLM's import alone takes 8-15 s on a 2-core machine
 STEP_TIMEOUT_SECONDS = 10
 
@@ -63,7 +67,7 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
         harness = subprocess.Popen(
             # The interpreter's own flags (-I, -E, -s...): the harness must see the sys.path
             # this Python sees. The root goes as an argument, which -E and -I keep.
-            [sys.executable, *interpreter_flags(), os.path.abspath(__file__), "--harness", path, root or ""],
+            child_command("harness", path, root or "", flags=interpreter_flags()),
             env={**os.environ, "VLLM_RPC_BASE_PATH": rpc_dir},
             stdin=subprocess.DEVNULL,
             stdout=out_file,
@@ -84,7 +88,12 @@ def run(path: str, root: str | None = None) -> tuple[int, str]:
         shutil.rmtree(rpc_dir, ignore_errors=True)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    out, err = (read_all(f) for f in (out_file, err_file))
+    return verdict(code, read_all(out_file), read_all(err_file))
+
+
+def verdict(code: int | None, out: str, err: str) -> tuple[int, str]:
+    """The harness's exit code (None: it did not finish) and its check lines, with what it
+    left behind in /dev/shm or why it could not run."""
     if code is None:
         code = NOT_FAIL_FAST
         out += f"FAIL the check did not finish within {HARNESS_TIMEOUT_SECONDS}s\n"
@@ -172,51 +181,10 @@ def serve(rank: int, conn) -> None:
     proc.worker_busy_loop()
 
 
-def stuck_peer() -> None:
-    """A rank blocked in a collective with a peer that died: it never returns to
-    Python, so SIGTERM does not reach it (on accelerators NCCL and HCCL wait so)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    while True:
-        time.sleep(3600)
-
-
-class StandInExecutor:
-    """What start_worker_monitor reads and calls on a MultiprocExecutor."""
-
-    def __init__(self, workers) -> None:
-        import threading
-        import types
-
-        self.workers = workers
-        # The fault-tolerance setting, off by default, on releases that have it.
-        self.parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
-        self.peers_alive_at_shutdown: list[bool] | None = None
-        self.is_failed = False
-        self.shutting_down = False
-        self.shutdown_called = False
-        self.failed_at: float | None = None
-        self.callback_fired = threading.Event()
-        self.failure_callback = self.on_failure
-
-    def shutdown(self) -> None:
-        self.shutdown_called = True
-        self.failed_at = time.monotonic()
-        # A SIGKILL takes effect in the kernel a moment after kill() returns;
-        # vLLM's shutdown() polls every 0.1 s, so allow one such poll.
-        time.sleep(0.1)
-        self.peers_alive_at_shutdown = [w.proc.is_alive() for w in self.workers]
-
-    def on_failure(self) -> None:
-        self.callback_fired.set()
-
-
 def harness(path: str) -> int:
+    """The checks, on the vLLM this Python imports, which must be path's: FAILS_FAST if
+    every one holds, else NOT_FAIL_FAST (CANNOT_IMPORT if vLLM cannot be imported)."""
     try:
-        import multiprocessing
-        import multiprocessing.connection
-        import types
-        from multiprocessing import resource_tracker
-
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
         from vllm.v1.executor import multiproc_executor
     except Exception as e:  # vLLM's import can fail in many ways; say which
@@ -226,125 +194,152 @@ def harness(path: str) -> int:
         print(f"FAIL vllm.v1.executor.multiproc_executor is {multiproc_executor.__file__}, not {path}")
         return CANNOT_IMPORT
     print(f"ok   imported {multiproc_executor.__file__}")
+    run = Harness(multiproc_executor, MessageQueue)
+    # Every process it starts is ended in stop(), also when the start-up itself fails
+    # (a MessageQueue with no room in /dev/shm): the stuck peer is deaf to the SIGTERM
+    # that multiprocessing would send a daemon at exit.
+    try:
+        if not run.start():
+            print("FAIL a worker did not start")
+            return NOT_FAIL_FAST
+        run.check_an_all_rank_call()
+        started = time.monotonic()
+        run.check_a_failing_step()
+        run.check_the_monitor(started)
+    finally:
+        run.stop()
+    return NOT_FAIL_FAST if run.failures else FAILS_FAST
 
-    WorkerProc = multiproc_executor.WorkerProc
-    SUCCESS, FAILURE = WorkerProc.ResponseStatus.SUCCESS, WorkerProc.ResponseStatus.FAILURE
-    # One tracker for every process: it unlinks what a dead worker leaves in /dev/shm.
-    resource_tracker.ensure_running()
-    context = multiprocessing.get_context("fork")  # the workers reuse this import
-    pipes, procs = [], []
-    peer = context.Process(target=stuck_peer, name="VerifyStuckPeer", daemon=True)
-    responses = []
-    failures = []
 
-    def check(ok: bool, line: str) -> bool:
+class Harness:
+    """Two worker processes running the package's WorkerProc loop on the package's
+    MessageQueues, a peer stuck as in a collective, and the package's worker monitor
+    on a stand-in executor that watches rank 1 and that peer (rank 0 stays outside, so
+    that it can show that it keeps serving). Each check prints one line."""
+
+    def __init__(self, multiproc_executor, message_queue) -> None:
+        import multiprocessing
+        from multiprocessing import resource_tracker
+
+        self.module, self.message_queue = multiproc_executor, message_queue
+        status = multiproc_executor.WorkerProc.ResponseStatus
+        self.success, self.failure = status.SUCCESS, status.FAILURE
+        # One tracker for every process: it unlinks what a dead worker leaves in /dev/shm.
+        resource_tracker.ensure_running()
+        self.context = multiprocessing.get_context("fork")  # the workers reuse this import
+        self.peer = self.context.Process(target=stuck_in_a_collective, name="VerifyStuckPeer", daemon=True)
+        self.procs, self.responses, self.failures = [], [], []
+        self.broadcast = self.executor = None
+
+    def start(self) -> bool:
+        """The workers and their queues, and the monitor; False if a worker did not start."""
+        import types
+
+        MessageQueue = self.message_queue
+        self.peer.start()
+        pipes = []
+        for rank in range(2):
+            parent_end, child_end = self.context.Pipe()
+            proc = self.context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
+            proc.start()
+            pipes.append(parent_end)
+            self.procs.append(proc)
+        self.broadcast = MessageQueue(2, 2)
+        print(f"shm {self.broadcast.handle.buffer_handle[-1]}", flush=True)
+        for pipe in pipes:
+            pipe.send(self.broadcast.export_handle())
+        for pipe in pipes:
+            if not pipe.poll(STEP_TIMEOUT_SECONDS):
+                return False
+            self.responses.append(MessageQueue.create_from_handle(pipe.recv(), 0))
+            print(f"shm {self.responses[-1].handle.buffer_handle[-1]}", flush=True)
+        self.broadcast.wait_until_ready()
+        for response in self.responses:
+            response.wait_until_ready()
+        self.executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (self.peer, self.procs[1])])
+        self.module.MultiprocExecutor.start_worker_monitor(self.executor)
+        return True
+
+    def check(self, ok: bool, line: str) -> bool:
         print(("ok   " if ok else "FAIL ") + line, flush=True)
         if not ok:
-            failures.append(line)
+            self.failures.append(line)
         return ok
 
-    def reply(rank: int):
+    def reply(self, rank: int, timeout: float = STEP_TIMEOUT_SECONDS):
         try:
-            return responses[rank].dequeue(timeout=STEP_TIMEOUT_SECONDS)
+            return self.responses[rank].dequeue(timeout=timeout)
         except TimeoutError:
             return None
 
-    # Every process it starts is ended in the finally below, also when the start-up
-    # itself fails (a MessageQueue with no room in /dev/shm): the stuck peer is deaf
-    # to the SIGTERM that multiprocessing would send a daemon at exit.
-    try:
-        peer.start()
-        for rank in range(2):
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(target=serve, args=(rank, child_end), name=f"VerifyWorker_{rank}", daemon=True)
-            proc.start()
-            pipes.append(parent_end)
-            procs.append(proc)
-        broadcast = MessageQueue(2, 2)
-        print(f"shm {broadcast.handle.buffer_handle[-1]}", flush=True)
-        for pipe in pipes:
-            pipe.send(broadcast.export_handle())
-        for pipe in pipes:
-            if not pipe.poll(STEP_TIMEOUT_SECONDS):
-                print("FAIL a worker did not start")
-                return NOT_FAIL_FAST
-            responses.append(MessageQueue.create_from_handle(pipe.recv(), 0))
-            print(f"shm {responses[-1].handle.buffer_handle[-1]}", flush=True)
-        broadcast.wait_until_ready()
-        for response in responses:
-            response.wait_until_ready()
-
-        # The monitor watches rank 1 and a peer stuck in a collective with it; rank 0
-        # stays outside so that it can show that it keeps serving.
-        executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (peer, procs[1])])
-        multiproc_executor.MultiprocExecutor.start_worker_monitor(executor)
-
-        broadcast.enqueue(("broken", (), {}, None))
-        failed = [reply(0), reply(1)]
-        broadcast.enqueue(("ping", (), {}, None))
-        pinged = [reply(0), reply(1)]
-        check(
-            [r and r[0] for r in failed] == [FAILURE, FAILURE]
-            and [r and r[0] for r in pinged] == [SUCCESS, SUCCESS]
-            and all(p.is_alive() for p in procs),
+    def check_an_all_rank_call(self) -> None:
+        self.broadcast.enqueue(("broken", (), {}, None))
+        failed = [self.reply(0), self.reply(1)]
+        self.broadcast.enqueue(("ping", (), {}, None))
+        pinged = [self.reply(0), self.reply(1)]
+        self.check(
+            [r and r[0] for r in failed] == [self.failure, self.failure]
+            and [r and r[0] for r in pinged] == [self.success, self.success]
+            and all(p.is_alive() for p in self.procs),
             "an all-rank call that fails: both ranks reply FAILURE and keep serving",
         )
 
-        started = time.monotonic()
-        broadcast.enqueue(("execute_model", (None,), {}, 0))
-        rank0 = reply(0)
-        exited = bool(multiprocessing.connection.wait([procs[1].sentinel], STEP_TIMEOUT_SECONDS))
+    def check_a_failing_step(self) -> None:
+        import multiprocessing.connection
+
+        self.broadcast.enqueue(("execute_model", (None,), {}, 0))
+        rank0 = self.reply(0)
+        dying = self.procs[1]
+        exited = bool(multiprocessing.connection.wait([dying.sentinel], STEP_TIMEOUT_SECONDS))
         # vLLM's monitor polls the dead worker's status too (proc.exitcode); two threads
         # reaping one child race, and the loser sees none. So let the monitor finish first,
         # then join: a blocking wait that gets the status once the process is reapable.
-        fired = executor.callback_fired.wait(STEP_TIMEOUT_SECONDS if exited else 0.5)
+        self.executor.called_back.wait(STEP_TIMEOUT_SECONDS if exited else 0.5)
         if exited:
-            procs[1].join(STEP_TIMEOUT_SECONDS)
-        check(rank0 is not None and rank0[0] == FAILURE, "output rank 0 replies FAILURE to the failing call")
-        check(
-            exited and procs[1].exitcode == 1,
-            f"rank 1 exits with status 1 (exit status: {procs[1].exitcode})"
+            dying.join(STEP_TIMEOUT_SECONDS)
+        self.check(rank0 is not None and rank0[0] == self.failure, "output rank 0 replies FAILURE to the failing call")
+        self.check(
+            exited and dying.exitcode == 1,
+            f"rank 1 exits with status 1 (exit status: {dying.exitcode})"
             if exited
             else f"rank 1 exits with status 1 (still running after {STEP_TIMEOUT_SECONDS}s)",
         )
-        try:
-            leaked = responses[1].dequeue(timeout=0.5)
-        except TimeoutError:
-            leaked = None
-        check(leaked is None, "rank 1 sends nothing")
-        broadcast.enqueue(("ping", (), {}, 0))
-        pong = reply(0)
-        check(pong is not None and pong[0] == SUCCESS and procs[0].is_alive(), "rank 0 keeps serving")
-        if hasattr(multiproc_executor.MultiprocExecutor, "sample_tokens"):
-            broadcast.enqueue(("sample_tokens", (None,), {}, 0))
-            sampled = reply(0)
-            check(
-                sampled is not None and sampled[0] == FAILURE
+        self.check(self.reply(1, timeout=0.5) is None, "rank 1 sends nothing")
+        self.broadcast.enqueue(("ping", (), {}, 0))
+        pong = self.reply(0)
+        self.check(pong is not None and pong[0] == self.success and self.procs[0].is_alive(), "rank 0 keeps serving")
+        if hasattr(self.module.MultiprocExecutor, "sample_tokens"):
+            self.broadcast.enqueue(("sample_tokens", (None,), {}, 0))
+            sampled = self.reply(0)
+            self.check(
+                sampled is not None and sampled[0] == self.failure
                 and "stand-in execute_model failed on rank 0" in str(sampled[1]),
                 "a failed step's sample_tokens: rank 0 replies execute_model's failure, not an empty output",
             )
 
-        if check(
-            fired and executor.is_failed and executor.shutdown_called,
+    def check_the_monitor(self, started: float) -> None:
+        executor = self.executor
+        if self.check(
+            executor.called_back.is_set() and executor.is_failed and executor.shutdown_called,
             "the worker monitor marks the executor failed, calls shutdown and the failure callback",
         ):
             print(f"ok   {executor.failed_at - started:.2f}s from the failing call to the monitor firing")
         peer_ended = executor.peers_alive_at_shutdown == [False, False]
-        check(
+        self.check(
             peer_ended,
             "the monitor ends the dead worker's stuck peer before shutdown(), which would wait for it"
             + ("" if peer_ended or executor.peers_alive_at_shutdown is None else " (still alive then)"),
         )
-    finally:
-        for proc in (*procs, peer):
+
+    def stop(self) -> None:
+        for proc in (*self.procs, self.peer):
             if proc.pid is not None and proc.is_alive():
                 proc.kill()
             if proc.pid is not None:
                 proc.join(STEP_TIMEOUT_SECONDS)
         # The workers wrote these; a killed writer cannot unlink its own.
-        for queue in responses:
+        for queue in self.responses:
             unlink_shared_memory(queue.handle.buffer_handle[-1])
-    return NOT_FAIL_FAST if failures else FAILS_FAST
 
 
 def unlink_shared_memory(name: str) -> None:
@@ -356,9 +351,3 @@ def unlink_shared_memory(name: str) -> None:
         return
     segment.close()
     segment.unlink()
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--harness"]:
-    if sys.argv[3:4] != [""]:
-        sys.path.insert(0, sys.argv[3])  # --root: import vllm from there
-    raise SystemExit(harness(sys.argv[2]))

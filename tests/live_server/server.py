@@ -21,7 +21,10 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-APPLY = os.path.join(os.path.dirname(HERE), "apply.py")
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: the helpers every test shares
+
+from helpers import process_stat  # noqa: E402
+
 FAULT_PLUGIN = os.path.join(HERE, "fault_plugin")
 PROMPT = "w5 w6 w7 w8"
 # Unpatched, a silent failure lasts until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s);
@@ -108,13 +111,6 @@ def shm_left(left_file: str) -> list[str]:
         time.sleep(0.1)
     with open(left_file) as f:
         return f.read().split()
-
-
-def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
-    """apply.py with the server's Python, as an operator runs it on the node: on the vllm
-    that Python imports, not a tree that GAUDI_FIXES_ROOT or PYTHONPATH names for other tests."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
-    return subprocess.run([python, APPLY, *args], env=env, cwd="/", capture_output=True, text=True)
 
 
 def make_model(python: str, directory: str) -> None:
@@ -426,14 +422,9 @@ def group_members(pgid: int) -> list[str]:
     """The live processes of a process group, as "pid name" (zombies do not count)."""
     members = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-            members.append(f"{pid} {name}")
+        stat = process_stat(pid)
+        if stat and int(stat[1][2]) == pgid and stat[1][0] != "Z":  # fields: state, ppid, pgrp, ...
+            members.append(f"{pid} {stat[0]}")
     return members
 
 

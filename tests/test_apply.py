@@ -22,9 +22,10 @@ import pytest
 
 import apply
 import fetch_release
+from rank_exception_fatal import bundle, bytecode, change, disk, installed, match, running, seal, table
 from conftest import TARGET, release_bytes
+from helpers import APPLY, BUNDLE, INPUTS, run_apply, run_loop_test
 
-APPLY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "apply.py")
 SHAPES = ("0.26.0", "0.30.0", "0.33.0")
 
 
@@ -47,7 +48,7 @@ def patched_bytes(version: str, tmp_path) -> bytes:
     root = tmp_path / f"git-{version}"
     (root / TARGET).parent.mkdir(parents=True, exist_ok=True)
     write(str(root / TARGET), release_bytes(version))
-    subprocess.run(["git", "apply", os.path.join(apply.PATCHES_DIR, f"v{version}.diff")], cwd=root, check=True)
+    subprocess.run(["git", "apply", os.path.join(bundle.PATCHES_DIR, f"v{version}.diff")], cwd=root, check=True)
     return read(str(root / TARGET))
 
 
@@ -75,14 +76,14 @@ def add_egg_info(info: str, version: str) -> None:
 
 def with_header(body: str) -> str:
     """A diff as scripts/make_diff.py writes it: the digest of the rest on its first line."""
-    return f"{apply.DIFF_HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
+    return f"{seal.HEADER}{hashlib.sha256(body.encode()).hexdigest()}\n{body}"
 
 
 def copy_bundle(tmp_path, monkeypatch) -> str:
     """A copy of patches/ that apply.py reads instead, for a test to damage."""
     patches = tmp_path / "patches"
-    shutil.copytree(apply.PATCHES_DIR, patches)
-    monkeypatch.setattr(apply, "PATCHES_DIR", str(patches))
+    shutil.copytree(bundle.PATCHES_DIR, patches)
+    monkeypatch.setattr(bundle, "PATCHES_DIR", str(patches))
     return str(patches)
 
 
@@ -325,7 +326,7 @@ def test_a_server_started_within_the_margin_of_the_change_needs_a_restart(make_t
     time.sleep(0.3)
     pid = server_stand_in("/", {"PYTHONPATH": tree})
     assert apply.main(["--pid", str(pid), "--check"]) == 0
-    monkeypatch.setattr(apply, "RESTART_MARGIN", 60.0)  # as if the clocks were that coarse
+    monkeypatch.setattr(running, "RESTART_MARGIN", 60.0)  # as if the clocks were that coarse
     capsys.readouterr()
     assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -584,18 +585,18 @@ def change_a_loop_line(data: bytes) -> bytes:
 
 
 def half_applied(data: bytes) -> bytes:
-    fix = next(f for f in apply.read_bundle() if f.name == "v0.33.0.diff")
-    lines = apply.split_lines(data.decode())
-    return apply.rewrite(lines, fix._replace(hunks=fix.hunks[:1])).encode()
+    fix = next(f for f in bundle.read_bundle() if f.name == "v0.33.0.diff")
+    lines = match.split_lines(data.decode())
+    return match.rewrite(lines, fix._replace(hunks=fix.hunks[:1])).encode()
 
 
 LOOP_LINE = b'            logger.exception("WorkerProc hit an exception.")\n'
 
 
-def loop_hunk(version: str) -> tuple[int, apply.Hunk]:
+def loop_hunk(version: str) -> tuple[int, bundle.Hunk]:
     """The number and hunk of the release's diff that holds the worker loop's exception log."""
-    lines = apply.split_lines(release_bytes(version).decode())
-    fix = next(f for f in apply.read_bundle() if apply.fingerprint(lines, f))
+    lines = match.split_lines(release_bytes(version).decode())
+    fix = next(f for f in bundle.read_bundle() if match.fingerprint(lines, f))
     return next((n, h) for n, h in enumerate(fix.hunks, 1) if LOOP_LINE.decode() in h.before)
 
 
@@ -697,7 +698,7 @@ def test_drifted_source_is_never_written(case, make_tree, capsys):
         expected = re.findall(r"^    expected: (.*)$", message, re.M)
         found = re.findall(r"^    found:    (.*)$", message, re.M)
         assert expected != found or not expected, f"a difference that prints as none: {message}"
-        assert "tried: " + ", ".join(fix.name for fix in apply.read_bundle()) in message
+        assert "tried: " + ", ".join(fix.name for fix in bundle.read_bundle()) in message
         assert hashlib.sha256(drifted).hexdigest() in message
     assert leftovers(root) == []
 
@@ -770,8 +771,7 @@ def test_a_build_between_releases_is_fixed_by_the_diffs_own_lines(case, make_tre
     assert apply.main(["--root", root, "--check"]) == 0
     assert apply.main(["--root", root]) == 0 and "already applied" in capsys.readouterr().out
     # The loop test, as an operator runs it, on what was written.
-    done = subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal"], cwd=os.path.dirname(APPLY),
-                          env={**os.environ, "GAUDI_FIXES_ROOT": root}, capture_output=True, text=True, timeout=300)
+    done = run_loop_test(root)
     assert done.returncode == 0 and re.search(r"^OK$", done.stderr, re.M), done.stderr
 
     assert apply.main(["--root", root, "--revert"]) == 0
@@ -968,10 +968,6 @@ UNCHECKED = (
 )
 
 
-def run_apply(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, APPLY, *args], capture_output=True, text=True, **kwargs)
-
-
 @pytest.mark.parametrize("prefix", [False, True], ids=["beside", "pycache-prefix"])
 def test_stale_bytecode_of_a_fixed_source(prefix, make_tree, tmp_path):
     """Fixed by git apply, or by a run whose clean-up missed a PYTHONPYCACHEPREFIX tree:
@@ -1032,7 +1028,7 @@ def test_bytecode_python_checks_is_not_stale(make_tree, tmp_path):
 def test_leftovers_of_a_killed_run_are_cleaned(make_tree):
     root = make_tree("0.30.0")
     directory = os.path.dirname(target(root))
-    stale = os.path.join(directory, apply.TEMP_PREFIX + "killed.tmp")
+    stale = os.path.join(directory, disk.TEMP_PREFIX + "killed.tmp")
     write(stale, b"half")
     assert apply.main(["--root", root, "--check"]) == 1
     assert os.path.exists(stale), "--check writes nothing, not even a clean-up"
@@ -1125,7 +1121,7 @@ sys.exit(max(apply.main(["--root", root, *(["--revert"] if (turn + first) % 2 el
 
 def test_concurrent_applies_and_reverts_serialize(make_tree, tmp_path):
     root = make_tree("0.33.0")
-    here = os.path.dirname(APPLY)
+    here = BUNDLE
     runs = [subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2)], cwd=here, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True) for n in range(8)]
     results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
@@ -1138,13 +1134,13 @@ def test_concurrent_applies_and_reverts_serialize(make_tree, tmp_path):
 
 def test_a_change_right_after_the_write_is_reported(make_tree, monkeypatch, capsys):
     root = make_tree("0.30.0")
-    replace_file = apply.replace_file
+    replace_file = change.replace_file
 
     def replace_then_another_writer(where: str, data: bytes) -> None:
         replace_file(where, data)
         write(where, release_bytes("0.30.0"))  # say, a pip reinstall meanwhile
 
-    monkeypatch.setattr(apply, "replace_file", replace_then_another_writer)
+    monkeypatch.setattr(change, "replace_file", replace_then_another_writer)
     assert apply.main(["--root", root]) == 9
     err = capsys.readouterr().err
     assert "applied patches/v0.30.0.diff, but" in err and "another program changed it" in err
@@ -1154,13 +1150,13 @@ def test_a_change_right_after_the_write_is_reported(make_tree, monkeypatch, caps
 def test_the_target_removed_during_the_run(make_tree, monkeypatch, capsys):
     root = make_tree("0.30.0")
     path = target(root)
-    compile_error = apply.compile_error
+    compile_error = change.compile_error
 
     def remove_then_compile(data: bytes, where: str):
         os.unlink(path)
         return compile_error(data, where)
 
-    monkeypatch.setattr(apply, "compile_error", remove_then_compile)
+    monkeypatch.setattr(change, "compile_error", remove_then_compile)
     assert apply.main(["--root", root, "--json"]) == 3
     report = json.loads(capsys.readouterr().out)
     assert report["exit_code"] == 3 and "removed during the run" in report["message"]
@@ -1176,7 +1172,7 @@ def run_as_nobody(args: list[str], patches: str) -> int:
     if pid == 0:  # pragma: no cover - the child
         code = 99
         try:
-            apply.PATCHES_DIR = patches
+            bundle.PATCHES_DIR = patches
             os.setgroups([])
             os.setgid(65534)
             os.setuid(65534)
@@ -1194,7 +1190,7 @@ def public_tree(make_tree):
         root = os.path.join(public, "site")
         shutil.copytree(make_tree("0.30.0"), root)
         patches = os.path.join(public, "patches")
-        shutil.copytree(apply.PATCHES_DIR, patches)
+        shutil.copytree(bundle.PATCHES_DIR, patches)
         for directory, _, _ in os.walk(public):
             os.chmod(directory, 0o755)
         yield root, patches
@@ -1238,7 +1234,7 @@ BAD_BUNDLES = {
                    lambda t: with_header("--- a/setup.py\n+++ b/setup.py\n@@ -1 +1 @@\n-a\n+b\n"), "must change"),
     "no-context": ("0.30.0", "no-context.diff", lambda t: with_header(NO_CONTEXT), "no-context.diff hunk 1 has no context lines"),
     # Two diffs for one release: which one is meant is the bundle's to say.
-    "two-diffs-fit": ("0.30.0", "v0.30.0-copy.diff", lambda t: (Path(apply.PATCHES_DIR) / "v0.30.0.diff").read_text(),
+    "two-diffs-fit": ("0.30.0", "v0.30.0-copy.diff", lambda t: (Path(bundle.PATCHES_DIR) / "v0.30.0.diff").read_text(),
                       "patches/v0.30.0-copy.diff and patches/v0.30.0.diff both fit"),
 }
 
@@ -1247,7 +1243,7 @@ BAD_BUNDLES = {
 def test_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
     version, name, mangle, complaint = BAD_BUNDLES[case]
     root = make_tree(version)
-    original = Path(apply.PATCHES_DIR) / name
+    original = Path(bundle.PATCHES_DIR) / name
     text = mangle(original.read_text() if original.exists() else "")
     (Path(copy_bundle(tmp_path, monkeypatch)) / name).write_text(text)
     for mode in (["--check"], [], ["--revert"], ["--diff"]):
@@ -1271,7 +1267,7 @@ def test_a_diff_that_gives_a_file_that_does_not_compile(make_tree, tmp_path, mon
 
 
 def test_missing_bundle(make_tree, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(apply, "PATCHES_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(bundle, "PATCHES_DIR", str(tmp_path / "nowhere"))
     assert apply.main(["--root", make_tree("0.30.0"), "--check"]) == 5
     assert "cannot read the patch bundle" in capsys.readouterr().err
 
@@ -1347,17 +1343,22 @@ def test_a_path_the_output_encoding_cannot_spell(make_tree):
     assert done.stdout.startswith("applied patches/v0.30.0.diff") and "caf\\xe9" in done.stdout
 
 
-def test_verify_needs_verify_py_beside_apply_py(make_tree, tmp_path):
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    shutil.copy(APPLY, bundle)
-    shutil.copytree(apply.PATCHES_DIR, bundle / "patches")
-    # Another verify module on the path is not the one that belongs to this apply.py.
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(APPLY)}
-    done = subprocess.run([sys.executable, str(bundle / "apply.py"), "--verify", "--root", make_tree("0.30.0")],
-                          env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 5
-    assert "verify.py is missing" in done.stderr and len(done.stderr.splitlines()) == 1
+def test_apply_py_needs_its_package_beside_it(make_tree, tmp_path):
+    """apply.py copied without rank_exception_fatal/: one line, exit 5, also where another
+    bundle's package is on the path (it is not the one that belongs to this apply.py)."""
+    copy = tmp_path / "bundle"
+    copy.mkdir()
+    shutil.copy(APPLY, copy)
+    shutil.copytree(bundle.PATCHES_DIR, copy / "patches")
+    env = {**os.environ, "PYTHONPATH": BUNDLE}
+    for args in (["--check"], ["--verify"], ["--check", "--json"]):
+        done = subprocess.run([sys.executable, str(copy / "apply.py"), *args, "--root", make_tree("0.30.0")],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 5, args
+        out = done.stdout if "--json" in args else done.stderr
+        assert "rank_exception_fatal is missing: copy the whole bundle" in out and len(out.splitlines()) == 1, out
+        if "--json" in args:
+            assert json.loads(out)["exit_code"] == 5
 
 
 def test_a_file_with_a_byte_order_mark(make_tree, tmp_path):
@@ -1533,7 +1534,7 @@ def test_a_write_inside_a_container_says_where_it_lives(marker, tmp_path):
     written = root / "opt" / "multiproc_executor.py"
     written.parent.mkdir(parents=True)
     written.write_text("")
-    note = apply.container_note(str(written), root=str(root))
+    note = installed.container_note(str(written), root=str(root))
     assert note.startswith("in a container: this change lives in this container only")
 
 
@@ -1561,7 +1562,7 @@ def test_a_write_in_a_kubernetes_pod_on_cgroup_v2_says_where_it_lives(sign, tmp_
     written = root / "opt" / "multiproc_executor.py"
     written.parent.mkdir(parents=True)
     written.write_text("")
-    note = apply.container_note(str(written), root=str(root))
+    note = installed.container_note(str(written), root=str(root))
     assert note and note.startswith("in a container: this change lives in this container only")
 
 
@@ -1574,12 +1575,12 @@ def test_no_container_note_on_a_host_or_a_volume(tmp_path, monkeypatch):
     (host / "proc" / "self" / "mountinfo").write_text(HOST_MOUNTINFO)
     written = host / "multiproc_executor.py"
     written.write_text("")
-    assert apply.container_note(str(written), root=str(host)) is None
+    assert installed.container_note(str(written), root=str(host)) is None
     (host / ".dockerenv").write_text("")
     volume = tempfile.mkdtemp(dir="/dev/shm")  # another file system than the container's root
     try:
         assert os.stat(volume).st_dev != os.stat(host).st_dev
-        assert apply.container_note(volume, root=str(host)) is None, "a volume outlives the container"
+        assert installed.container_note(volume, root=str(host)) is None, "a volume outlives the container"
     finally:
         os.rmdir(volume)
 
@@ -1589,7 +1590,7 @@ def test_the_run_reports_the_container_note_where_there_is_one(make_tree, capsys
     root = make_tree("0.30.0")
     assert apply.main(["--root", root, "--json"]) == 0
     message = json.loads(capsys.readouterr().out)["message"]
-    note = apply.container_note(target(root))
+    note = installed.container_note(target(root))
     assert (note in message) if note else ("in a container" not in message)
 
 
@@ -1700,7 +1701,7 @@ def test_a_judged_file_with_stale_bytecode_of_the_release(make_tree, capsys):
     root = make_tree("0.30.0")
     path = target(root)
     subprocess.run([sys.executable, "-c", UNCHECKED, path], check=True)
-    [pyc] = apply.bytecode_files([path])
+    [pyc] = bytecode.bytecode_files([path], None)
     write(path, fails_fast_by_its_own_code(release_bytes("0.30.0")))
     assert apply.main(["--root", root, "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -1722,21 +1723,17 @@ def test_the_loop_test_refuses_a_switch_init_sets(make_tree, tmp_path):
     assert fixed.count(statement) == 1
     write(target(root), fixed.replace(statement, statement + b'        self.exit_on_unreported_failure = '
                                       b'os.environ.get("VENDOR_EXIT") == "1"\n'))
-    done = subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal.WorkerLoopTest"],
-                          cwd=os.path.dirname(APPLY), env={**os.environ, "GAUDI_FIXES_ROOT": root},
-                          capture_output=True, text=True, timeout=300)
+    done = run_loop_test(root, "test_rank_exception_fatal.WorkerLoopTest")
     assert done.returncode != 0 and "UnknownSwitch: line " in done.stderr, done.stderr[-2000:]
     write(target(root), fixed)
-    done = subprocess.run([sys.executable, "-m", "unittest", "test_rank_exception_fatal.WorkerLoopTest"],
-                          cwd=os.path.dirname(APPLY), env={**os.environ, "GAUDI_FIXES_ROOT": root},
-                          capture_output=True, text=True, timeout=300)
+    done = run_loop_test(root, "test_rank_exception_fatal.WorkerLoopTest")
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 # Upstream's own fail-fast fix (vllm-project/vllm 79816ab04b1a: FAIL_FAST_RPCS, every rank
 # exits on a fatal call, the output rank once it has replied): the release file of 0.32.0,
 # which that commit's file is built on, plus that commit's change, kept as a test input.
-UPSTREAM_FIX = ("0.32.0", os.path.join(os.path.dirname(APPLY), "test_inputs", "vllm-79816ab.diff"),
+UPSTREAM_FIX = ("0.32.0", os.path.join(INPUTS, "vllm-79816ab.diff"),
                 "54d67e390340a23f425a2c8532c3c6d6501b873c5fa64bdd97083a262da9feab")
 
 
@@ -1796,9 +1793,9 @@ BAD_TABLES = {
 @pytest.mark.parametrize("case", sorted(BAD_TABLES))
 def test_a_damaged_release_table_is_a_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
     mangle, complaint = BAD_TABLES[case]
-    table = tmp_path / "releases.tsv"
-    table.write_text(mangle(Path(apply.TABLE).read_text()))
-    monkeypatch.setattr(apply, "TABLE", str(table))
+    table_file = tmp_path / "releases.tsv"
+    table_file.write_text(mangle(Path(bundle.TABLE).read_text()))
+    monkeypatch.setattr(bundle, "TABLE", str(table_file))
     root = make_tree("0.30.0")
     for mode in (["--check"], [], ["--revert"], ["--diff"]):
         assert apply.main(["--root", root, *mode]) == 5, mode
@@ -1811,11 +1808,11 @@ def test_the_release_table_is_sealed(tmp_path, monkeypatch, make_tree):
     """The table in the bundle is whole, and scripts/make_diff.py --table seals an edited one."""
     import make_diff
 
-    text = Path(apply.TABLE).read_text()
-    assert apply.table_problem(text, sorted(os.listdir(apply.PATCHES_DIR))) is None
-    table = tmp_path / "releases.tsv"
-    table.write_text(text.partition("\n")[2].replace("\nversion\t", "\n# a note\nversion\t"))
-    make_diff.seal_table(str(table))
-    assert apply.table_problem(table.read_text()) is None
-    monkeypatch.setattr(apply, "TABLE", str(table))
+    text = Path(bundle.TABLE).read_text()
+    assert table.table_problem(text, sorted(os.listdir(bundle.PATCHES_DIR))) is None
+    table_file = tmp_path / "releases.tsv"
+    table_file.write_text(text.partition("\n")[2].replace("\nversion\t", "\n# a note\nversion\t"))
+    make_diff.seal_table(str(table_file))
+    assert table.table_problem(table_file.read_text()) is None
+    monkeypatch.setattr(bundle, "TABLE", str(table_file))
     assert apply.main(["--root", make_tree("0.30.0"), "--check"]) == 1

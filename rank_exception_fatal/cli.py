@@ -1,0 +1,233 @@
+"""The command line: arguments in, one Report out, printed as a line or as JSON; the exit
+code says what happened to the file."""
+from __future__ import annotations
+
+import os
+import sys
+from collections import namedtuple
+from collections.abc import Sequence
+
+from .locate import Located, locate_for_process, locate_target
+from .outcome import (BAD_BUNDLE, ERROR_STATE, NOT_APPLIED, OK, TARGET, USAGE, VERIFIED, VERIFY_STATES, WOULD_APPLY,
+                      Failure, Report)
+
+USAGE_TEXT = """Apply, check or revert the rank-exception-fatal fix in vLLM's multiproc executor.
+
+usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--exact] [--json]
+
+Without a mode, applies the fix if it is not applied yet. Reads
+vllm/v1/executor/multiproc_executor.py under --root (default: $GAUDI_FIXES_ROOT),
+or else in the vllm package this Python would import, found without importing it.
+
+options:
+  --root DIR         the directory holding vllm/
+  --pid PID          the file the running process PID (the server) would import, found
+                     with its Python, environment and working directory
+  --check            report only: 0 applied, 1 not applied, 2 drifted; with --pid, 0 only
+                     if that process started after the file last changed
+  --revert           put back the release's bytes
+  --diff, --dry-run  print the change as a unified diff; write nothing
+  --verify           run the installed vLLM's real worker loop and check that it fails fast
+  --exact            fix only a file whose changed functions are a release's, byte for
+                     byte; without it, a diff may also be placed by its own lines in a
+                     build between releases, and is then proven by the loop test first
+  --json             print one JSON object instead of the human line
+  -h, --help         print this help
+
+exit codes:
+  0  applied, or nothing to do: the file already fails fast by its own code, or
+     every rank replies its failure (with --diff, done; with --verify, the
+     installed vLLM fails fast)
+  1  not applied (--check), or applied but stale bytecode would run the old code;
+     with --check --pid also: the process started before the file last changed,
+     so it still runs the code it loaded then (needs-restart)
+  2  source drifted: the file matches no diff, or more than one way; nothing was written
+  3  target not found: no vllm/v1/executor/multiproc_executor.py
+  4  cannot read, lock or write the target, or keep its owner; the file is untouched
+  5  malformed patch bundle (patches/ missing, a bad or cut diff, no unidiff)
+  6  usage error
+  7  --verify: the installed vLLM does not fail fast
+  8  --verify: the installed vLLM cannot be imported
+  9  the target was written, then read back changed by another program: run again
+ 10  Python imports the executor from a compiled module or a zip, not a source file
+ 11  --verify: the check could not run (its harness failed before a verdict)
+ 12  --pid: the process runs in another mount namespace (a container seen from
+     the host): run apply.py inside it; nothing was checked or written
+"""
+
+
+class UsageError(Exception):
+    """Bad arguments: exit 6, with a one-line message."""
+
+
+# Parsed by hand: argparse costs more than the rest of a --check run (~7 ms of
+# imports and gettext look-ups), and its usage errors exit 2, which means drifted.
+MODES = {"--check": "check", "--revert": "revert", "--diff": "diff", "--dry-run": "diff", "--verify": "verify"}
+
+
+Options = namedtuple("Options", "root mode json help pid exact")
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    root, mode, as_json, show_help = os.environ.get("GAUDI_FIXES_ROOT") or None, "apply", False, False
+    pid, exact = None, False
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            show_help = True
+        elif arg == "--root" or arg.startswith("--root="):
+            root = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            if not root or root.startswith("-"):
+                raise UsageError("--root needs a directory")
+        elif arg == "--pid" or arg.startswith("--pid="):
+            pid = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            if not pid.isdigit():
+                raise UsageError("--pid needs the id of the running vLLM server")
+        elif arg in MODES:
+            if mode not in ("apply", MODES[arg]):
+                raise UsageError(f"{arg} cannot go with --{mode}: choose one mode")
+            mode = MODES[arg]
+        elif arg == "--json":
+            as_json = True
+        elif arg == "--exact":
+            exact = True
+        else:
+            raise UsageError(f"unknown argument {arg!r}")
+    if pid and any(a == "--root" or a.startswith("--root=") for a in argv):
+        raise UsageError("--pid cannot go with --root: the process says where its vllm is")
+    if pid and mode == "verify":
+        raise UsageError("--verify cannot go with --pid: run --verify with the server's Python")
+    return Options(None if pid else root, mode, as_json, show_help, pid, exact)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        report = Report(code=USAGE, state=ERROR_STATE, message=f"usage error: {e} (see --help)")
+        if "--json" in argv:  # fleet tooling reads one object whatever went wrong
+            print_json(report, None)
+        else:
+            emit(sys.stderr, f"apply.py: {report.message}")
+        return USAGE
+    if args.help:
+        emit(sys.stdout, USAGE_TEXT.strip())
+        return OK
+    path = None
+    try:
+        located = locate_for_process(args.pid) if args.pid else Located(locate_target(args.root))
+        path = located.path
+        if not args.pid and not args.root:
+            note_a_copy_here(path)
+        report = run(args, located)
+    except Failure as e:
+        report = Report(code=e.code, state=ERROR_STATE, message=str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM or SIGHUP during --verify (after its clean-up)
+        return 128 + getattr(e, "signum", 2)
+    if args.json:
+        print_json(report, path)
+    elif report.action == VERIFIED:
+        emit(sys.stdout, report.message)
+    elif report.code in (OK, NOT_APPLIED) and report.state != ERROR_STATE:
+        emit(sys.stdout, report.message if report.action == WOULD_APPLY else f"{report.message}: {path}")
+    else:
+        emit(sys.stderr, f"apply.py: {report.message}")
+    # The code says what happened to the file, also when the report could not be printed.
+    return report.code
+
+
+def run(args: Options, located: Located) -> Report:
+    """The mode's action on the located file. Each mode imports its own modules: the gate
+    (--check on a known file) costs little more than starting Python."""
+    # Where this process, or the one --pid names, caches bytecode.
+    prefix = located.pycache_prefix or sys.pycache_prefix
+    if args.mode == "check":
+        from .check import run_check
+
+        report = run_check(located.path, prefix, exact=args.exact)
+        if args.pid and report.code == OK:
+            from .running import as_running
+
+            report = as_running(args.pid, located.path, report)
+        return report
+    if args.mode == "verify":
+        return run_verify(located.path, args.root)
+    from .bundle import read_bundle
+    from .change import run_change, run_diff
+
+    if args.mode == "diff":
+        return run_diff(located.path, read_bundle(), exact=args.exact)
+    return run_change(located.path, read_bundle(), prefix, revert=args.mode == "revert", exact=args.exact)
+
+
+def run_verify(path: str, root: str | None) -> Report:
+    """--verify: the installed vLLM's own worker loop, driven in a harness child."""
+    try:
+        from . import verify
+    except (ImportError, SyntaxError) as e:
+        raise Failure(BAD_BUNDLE, f"cannot load the bundle's verify module: {e}; copy the whole bundle") from None
+    code, lines = verify.run(path, root)
+    return Report(code=code, state=VERIFY_STATES[code], message=lines, action=VERIFIED)
+
+
+def note_a_copy_here(path: str) -> None:
+    """A server started from this directory with `python -m` imports ./vllm, not the
+    package this Python finds: say so, as the gate answers for the latter only."""
+    here = os.path.join(os.getcwd(), TARGET)
+    if os.path.isfile(here) and os.path.realpath(here) != os.path.realpath(path):
+        emit(
+            sys.stderr,
+            f"apply.py: note: {here} would be imported instead by a server started here with python -m;"
+            " check what the server imports with --pid PID",
+        )
+
+
+def emit(stream, text: str) -> None:
+    """Print text; if the stream cannot take it, say so on stderr and go on."""
+    if stream is None:  # Python started with that descriptor closed
+        if sys.stderr is not None and stream is not sys.stderr:
+            emit(sys.stderr, "apply.py: cannot print the report: stdout is closed")
+        return
+    try:
+        try:
+            stream.write(text + "\n")
+        except UnicodeEncodeError:  # e.g. PYTHONIOENCODING=ascii and a non-ASCII path
+            encoding = stream.encoding or "ascii"
+            stream.write((text + "\n").encode(encoding, "backslashreplace").decode(encoding))
+        stream.flush()
+    except (OSError, ValueError) as e:
+        if stream is not sys.stderr:
+            emit(sys.stderr, f"apply.py: cannot print the report: {e}")
+        try:
+            # Python flushes the stream again on exit, and would end with status 120.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def print_json(report: Report, path: str | None) -> None:
+    import json
+
+    from .seal import sha256_hex
+
+    def digest(data: bytes | None) -> str | None:
+        return None if data is None else sha256_hex(data)
+
+    from .installed import installed_distribution
+
+    distribution = installed_distribution(path) if path else None
+    emit(sys.stdout, json.dumps({
+        "state": report.state,
+        "action": report.action,
+        "path": path,
+        "distribution": distribution.name if distribution else None,
+        "version": distribution.version if distribution else None,
+        "diff": report.diff,
+        "adapted": report.adapted,
+        "sha256_before": digest(report.before),
+        "sha256_after": digest(report.after),
+        "message": report.message,
+        "exit_code": report.code,
+    }))
