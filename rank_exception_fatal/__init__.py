@@ -1,8 +1,8 @@
 """rank-exception-fatal: the fix for vLLM's multiproc executor, its gate and its proof.
 
 apply.py runs cli.main. The pipeline, module by module: locate (where the file is) ->
-known (a file the release table knows, by sha256: the gate's usual case) or bundle and
-table (the diffs and the releases), match, bindings, adapt and decide (which diff fits,
+bundle and table (the diffs and the releases; check decides a file the table knows by
+its sha256 alone, the gate's usual case), match, bindings, adapt and decide (which diff fits,
 on which side) -> drift and reports (why none, in words) -> proof and judged (the loop
 probe: loop_extract, loop_child, loop_cases, run in children that spawn starts) ->
 change (plan, then the one write primitive in disk) and bytecode; check is the gate,

@@ -1,13 +1,14 @@
 """The patch bundle: where it is, its diffs read and parsed into Fixes, and their names."""
-from __future__ import annotations
-
 import os
-from collections import namedtuple
-from collections.abc import Sequence
 
 from .outcome import BAD_BUNDLE, TARGET, Failure
 from .seal import DAMAGED, HEADER, unsealed
 from .table import table_problem
+
+# Sequence is for annotations only: importing collections.abc costs the gate 2 ms.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 # The bundle is the directory above this package (apply.py's), as it is, not a link to it.
 HERE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -17,11 +18,32 @@ PATCHES_DIR = os.path.join(HERE, "patches")
 TABLE = os.path.join(HERE, "releases", "releases.tsv")
 LOOP_TEST = os.path.join(HERE, "test_rank_exception_fatal.py")
 
-# before: the hunk's context and removed lines, the release's text; after: its
-# context and added lines, the fixed text. Lines keep their "\n".
-Hunk = namedtuple("Hunk", "before after")
-# name: the diff's file name in patches/; hunks: its Hunks, in file order.
-Fix = namedtuple("Fix", "name hunks")
+
+
+class Hunk:
+    """before: the hunk's context and removed lines, the release's text; after: its
+    context and added lines, the fixed text. Lines keep their "\n". (A plain class: see
+    outcome.Report.)"""
+
+    __slots__ = ("before", "after")
+
+    def __init__(self, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+        self.before, self.after = before, after
+
+    def __repr__(self) -> str:
+        return f"Hunk(before={self.before!r}, after={self.after!r})"
+
+
+class Fix:
+    """name: the diff's file name in patches/; hunks: its Hunks, in file order."""
+
+    __slots__ = ("name", "hunks")
+
+    def __init__(self, name: str, hunks: tuple[Hunk, ...]) -> None:
+        self.name, self.hunks = name, hunks
+
+    def __repr__(self) -> str:
+        return f"Fix(name={self.name!r}, hunks=<{len(self.hunks)}>)"
 
 
 def read_bundle(directory: str | None = None) -> list[Fix]:
@@ -90,7 +112,7 @@ def read_table_text(path: str | None = None) -> str:
         raise Failure(BAD_BUNDLE, f"cannot read the release table {path or TABLE}: {e}; copy the bundle again") from None
 
 
-def check_table(diffs: Sequence[str]) -> None:
+def check_table(diffs: "Sequence[str]") -> None:
     """Exit 5 unless the release table is whole and agrees with itself and the bundle."""
     problem = table_problem(read_table_text(), diffs)
     if problem:

@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from .adapt import adapted_words
 from .bytecode import bytecode_files, stale_bytecode_files
 from .decide import decide, decide_any
-from .disk import (DirectoryLock, check_writable, compile_error, leftover_temp_files, read_target, refuse_a_shared_file,
+from .disk import (DirectoryLock, check_writable, compile_error, leftover_temp_files, refuse_a_shared_file,
                    remove_files, replace_file)
 from .installed import container_note, describe, installed_distribution
 from .judged import by_behaviour
+from .locate import read_target
 from .match import rewrite, split_lines
 from .outcome import (APPLIED, APPLIED_STATE, BAD_BUNDLE, CHANGED_AFTER_WRITE, DRIFTED_STATE, ERROR_STATE, NO_ACTION,
                       NOT_APPLIED, NOT_APPLIED_STATE, OK, REVERTED, TARGET, WOULD_APPLY, Failure, Report)

@@ -1,14 +1,15 @@
 """--check, the deploy gate: 0 applied, 1 not applied, 2 drifted. A file the release table
-knows is decided by its sha256 alone; any other by the diffs, adapted, or by what its
-loop does."""
-from __future__ import annotations
-
+knows (a release's, or the one its diff makes) is decided by its sha256 alone, a hash
+lookup that parses no diff: the gate's usual case. Any other by the diffs, adapted, or
+by what its loop does."""
 import os
 
-from .bytecode import stale_bytecode_files
-from .disk import read_target
-from .known import decide_by_hash
-from .outcome import APPLIED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, Report
+from . import bundle
+from .bundle import Fix, check_integrity, diff_commit, diff_names, read_bundle
+from .locate import read_target
+from .outcome import APPLIED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, Decision, Report
+from .seal import sha256_hex
+from .table import read_releases
 
 
 def run_check(path: str, pycache_prefix: str | None, *, exact: bool = False) -> Report:
@@ -19,10 +20,45 @@ def run_check(path: str, pycache_prefix: str | None, *, exact: bool = False) -> 
     return checked(path, data, decision, None, pycache_prefix)
 
 
+def known_files(table: str) -> dict[str, tuple[str, str]]:
+    """sha256 -> (state, diff name), for each release's file and the file its diff makes
+    of it, from the release table's text. ValueError if the table is not whole or its rows
+    contradict each other."""
+    known = {}
+    for release in read_releases(table).values():
+        known[release.sha256] = (NOT_APPLIED_STATE, release.diff)
+        known[release.fixed_sha256] = (APPLIED_STATE, release.diff)
+    return known
+
+
+def decide_by_hash(data: bytes) -> Decision | None:
+    """The decision for a file the release table knows, without parsing a diff: parsing
+    costs more than the rest of a --check together. None for any other file, and when
+    patches/ is not the set of diffs the table names, and those for upstream main between
+    releases (then parsing gives the reason). The answer rests on the table, which is
+    sealed; of the diffs only the one it names is read, and must be whole, as apply and
+    revert will use it (hashing every diff would cost a tenth of the gate)."""
+    try:
+        with open(bundle.TABLE, encoding="utf-8") as f:
+            known = known_files(f.read())
+        names = set(diff_names(bundle.PATCHES_DIR))
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        return None
+    state, name = known.get(sha256_hex(data), (None, None))
+    named = {diff for _, diff in known.values()}
+    if name is None or not named <= names or not all(diff_commit(n) for n in names - named):
+        return None
+    try:
+        with open(os.path.join(bundle.PATCHES_DIR, name), encoding="utf-8", newline="") as f:
+            check_integrity(name, f.read())  # exit 5 if it is not whole, as a parse would say
+    except (OSError, UnicodeDecodeError):
+        return None
+    return Decision(state, Fix(name, ()))
+
+
 def check_by_the_diffs(path: str, data: bytes, text: str | None, pycache_prefix: str | None, *, exact: bool) -> Report:
     """A file the table does not know: parsed diffs, adaptation, the loop probe. (Imported
     here: a known file, the gate's usual case, needs none of them.)"""
-    from .bundle import read_bundle
     from .decide import decide_any
     from .judged import by_behaviour
     from .outcome import DRIFTED_STATE
@@ -40,6 +76,8 @@ def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: str | 
     """0 applied (1 if stale bytecode of the release would run instead), 1 not applied."""
     name = decision.fix.name
     if decision.state == APPLIED_STATE:
+        from .bytecode import stale_bytecode_files  # here: a file not applied has no stale bytecode to find
+
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data, pycache_prefix)
         if stale:
             message = (

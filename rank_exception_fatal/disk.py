@@ -1,4 +1,4 @@
-"""The disk: reading the file, the lock on its directory, and the one write primitive (an
+"""The disk: the lock on the file's directory, and the one write primitive (an
 adjacent temporary file with the old one's owner, mode, ACL and extended attributes,
 swapped in with os.replace)."""
 from __future__ import annotations
@@ -7,7 +7,6 @@ import os
 from collections.abc import Sequence
 
 from .outcome import CANNOT_READ_OR_WRITE, TARGET, TARGET_NOT_FOUND, Failure
-
 
 TEMP_PREFIX = ".rank-exception-fatal-"
 
@@ -23,20 +22,6 @@ def remove_files(paths: Sequence[str]) -> dict[str, str]:
         except OSError as e:
             failed[path] = e.strerror
     return failed
-
-
-def read_target(path: str) -> tuple[bytes, str | None]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise Failure(TARGET_NOT_FOUND, f"{path} is gone: it was removed during the run") from None
-    except OSError as e:
-        raise Failure(CANNOT_READ_OR_WRITE, f"cannot read {path}: {e.strerror}") from None
-    try:
-        return data, data.decode("utf-8")
-    except UnicodeDecodeError:
-        return data, None
 
 
 def leftover_temp_files(directory: str) -> list[str]:

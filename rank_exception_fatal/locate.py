@@ -1,17 +1,29 @@
 """Where the file is: the executor that Python would import under --root, on this Python's
-sys.path, or as a running process (--pid) would import it, found without importing vLLM."""
-from __future__ import annotations
-
+sys.path, or as a running process (--pid) would import it, found without importing vLLM;
+and its bytes, read."""
 import os
 import sys
-from collections import namedtuple
-from collections.abc import Sequence
 
 from .outcome import CANNOT_READ_OR_WRITE, NOT_A_SOURCE_FILE, OTHER_MOUNT_NAMESPACE, TARGET, TARGET_NOT_FOUND, Failure
 
-# path: the executor's source file; pycache_prefix: where the process that imports it
-# caches bytecode, if elsewhere than beside the file (None: beside it, or this Python's).
-Located = namedtuple("Located", "path pycache_prefix", defaults=(None,))
+# Sequence is for annotations only: importing collections.abc costs the gate 2 ms.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+class Located:
+    """path: the executor's source file; pycache_prefix: where the process that imports it
+    caches bytecode, if elsewhere than beside the file (None: beside it, or this Python's).
+    (A plain class: see outcome.Report.)"""
+
+    __slots__ = ("path", "pycache_prefix")
+
+    def __init__(self, path: str, pycache_prefix: str | None = None) -> None:
+        self.path, self.pycache_prefix = path, pycache_prefix
+
+    def __repr__(self) -> str:
+        return f"Located(path={self.path!r}, pycache_prefix={self.pycache_prefix!r})"
 
 
 def locate_target(root: str | None) -> str:
@@ -59,7 +71,22 @@ def import_system_class(name: str) -> type:
     return getattr(importlib.machinery, name)
 
 
-def find_spec_in(name: str, locations: Sequence[str]):
+def read_target(path: str) -> tuple[bytes, str | None]:
+    """The file's bytes, and their text (None if they are not UTF-8)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise Failure(TARGET_NOT_FOUND, f"{path} is gone: it was removed during the run") from None
+    except OSError as e:
+        raise Failure(CANNOT_READ_OR_WRITE, f"cannot read {path}: {e.strerror}") from None
+    try:
+        return data, data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data, None
+
+
+def find_spec_in(name: str, locations: "Sequence[str]"):
     """The spec the import system would find for name in these locations, as
     importlib.machinery.PathFinder finds it, but without importing name's parents
     (whose namespace paths it would read from sys.modules)."""
@@ -188,7 +215,7 @@ def ask_its_python(pid: str, python: str, flags: list[str], first: str, run_in: 
     raise Failure(code, f"as process {pid} ({python}, in {cwd}) would import it: {message}")
 
 
-def interpreter_as_run(pid: str, exe: str, command: Sequence[str], cwd: str, environ: dict) -> str:
+def interpreter_as_run(pid: str, exe: str, command: "Sequence[str]", cwd: str, environ: dict) -> str:
     """The interpreter's path as the process was started by it. /proc/PID/exe names the
     file that runs, which for a virtualenv's bin/python (a symlink) is the base
     interpreter; but Python finds its virtualenv (pyvenv.cfg) beside the path it was
@@ -217,7 +244,7 @@ def interpreter_as_run(pid: str, exe: str, command: Sequence[str], cwd: str, env
     )
 
 
-def interpreter_view(command: Sequence[str], cwd: str) -> tuple[list[str], str, str | None]:
+def interpreter_view(command: "Sequence[str]", cwd: str) -> tuple[list[str], str, str | None]:
     """From a Python command line: the flags that change what it imports, its sys.path[0]
     (the script's directory; a directory or zip run as a script itself; the working
     directory's path for -m; "" for -c, the working directory itself), and its -X pycache_prefix (None if not given)."""

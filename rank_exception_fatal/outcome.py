@@ -1,8 +1,4 @@
 """The outcome vocabulary: the file fixed, the exit codes, the states, and the Report of a run."""
-from __future__ import annotations
-
-from collections import namedtuple
-
 TARGET = "vllm/v1/executor/multiproc_executor.py"
 
 # Exit codes (README and apply.py --help list them; fleet tooling reads them).
@@ -36,13 +32,39 @@ class Failure(Exception):
         self.code = code
 
 
-# What to do with a file: state, applied, not-applied or drifted; fix: the Fix that
-# matched (None when drifted).
-Decision = namedtuple("Decision", "state fix")
+# The records below are plain classes, not namedtuples: importing collections would cost
+# the deploy gate a tenth of its run.
 
-# What a run found and did: exit code, state, the message, the action taken, the diff
-# used, the file's bytes before and after, and whether the diff was placed by its own
-# lines (adapted). Built by keyword: Report(code=OK, state=APPLIED_STATE, message=...).
-Report = namedtuple(
-    "Report", "code state message action diff before after adapted", defaults=(NO_ACTION, None, None, None, False)
-)
+
+class Decision:
+    """What to do with a file: state, applied, not-applied or drifted; fix: the Fix that
+    matched (None when drifted)."""
+
+    __slots__ = ("state", "fix")
+
+    def __init__(self, state: str, fix) -> None:
+        self.state, self.fix = state, fix
+
+    def __repr__(self) -> str:
+        return f"Decision(state={self.state!r}, fix={self.fix!r})"
+
+
+class Report:
+    """What a run found and did: exit code, state, the message, the action taken, the diff
+    used, the file's bytes before and after, and whether the diff was placed by its own
+    lines (adapted)."""
+
+    __slots__ = ("code", "state", "message", "action", "diff", "before", "after", "adapted")
+
+    def __init__(self, *, code: int, state: str, message: str, action: str = NO_ACTION, diff: str | None = None,
+                 before: bytes | None = None, after: bytes | None = None, adapted: bool = False) -> None:
+        self.code, self.state, self.message, self.action = code, state, message, action
+        self.diff, self.before, self.after, self.adapted = diff, before, after, adapted
+
+    def replaced(self, **changes) -> "Report":
+        """A copy with the named fields changed."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        return Report(**{**fields, **changes})
+
+    def __repr__(self) -> str:
+        return f"Report(code={self.code!r}, state={self.state!r}, message={self.message!r}, action={self.action!r})"

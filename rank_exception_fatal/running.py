@@ -107,4 +107,4 @@ def as_running(pid: str, path: str, report: Report) -> Report:
     if why is None:
         return report
     message = f"needs restart: the file reads {report.state} ({report.message}), but {why}: it runs the code it loaded then; restart the server"
-    return report._replace(code=NOT_APPLIED, state=NEEDS_RESTART_STATE, message=message)
+    return report.replaced(code=NOT_APPLIED, state=NEEDS_RESTART_STATE, message=message)

@@ -1,7 +1,5 @@
 """The seal on each diff and on the release table: a first line holding the sha256 of the
 rest, so that a copy cut short (at a hunk boundary it still parses) or damaged is refused."""
-from __future__ import annotations
-
 HEADER = "# sha256 of the lines below: "
 UNSEALED, DAMAGED = "unsealed", "damaged"
 

@@ -3,16 +3,19 @@
 
     python3 scripts/bench_check.py [RUNS]
 
-Runs the three commands in turn, RUNS times (so that drift in machine load hits all
-alike), on a tree made from the real 0.30.0 release file, with the bundle's bytecode
-cached first (compileall: as on a node after the first run), and prints the median
-wall time of each and the gate's ratios to the other two. The target: at most 1.3
-times a bare Python start.
+Runs the four commands in turn, RUNS times, in a new order each time (so that drift in
+machine load, and one command's effect on the next, hit all alike): the gate on a tree
+holding the real 0.30.0 release file (exit 1) and on one holding the file its diff makes
+(exit 0, as on a fixed node), with the bundle's bytecode cached first (compileall: as on
+a node after the first run). Prints the median wall
+time of each and the gate's ratios to the other two. The target: at most 1.3 times a
+bare Python start.
 """
 from __future__ import annotations
 
 import compileall
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -42,26 +45,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     runs = int(args[0]) if args else 41
     compileall.compile_dir(os.path.join(BUNDLE, "rank_exception_fatal"), quiet=1)
-    with tempfile.TemporaryDirectory() as root:
-        os.makedirs(os.path.join(root, os.path.dirname(TARGET)))
-        shutil.copyfile(os.path.join(release_tree("0.30.0"), TARGET), os.path.join(root, TARGET))
+    with tempfile.TemporaryDirectory() as release, tempfile.TemporaryDirectory() as fixed:
+        for root in (release, fixed):
+            os.makedirs(os.path.join(root, os.path.dirname(TARGET)))
+            shutil.copyfile(os.path.join(release_tree("0.30.0"), TARGET), os.path.join(root, TARGET))
+        subprocess.run([sys.executable, APPLY, "--root", fixed], stdout=subprocess.DEVNULL, check=True)
         commands = {
-            "apply.py --check": ([sys.executable, APPLY, "--check", "--root", root], 1),
+            "apply.py --check (release)": ([sys.executable, APPLY, "--check", "--root", release], 1),
+            "apply.py --check (fixed)": ([sys.executable, APPLY, "--check", "--root", fixed], 0),
             "python -c pass": ([sys.executable, "-c", "pass"], 0),
             "python -c 'import unidiff'": ([sys.executable, "-c", "import unidiff"], 0),
         }
         for command, code in commands.values():
             wall_time(command, code)  # warm the page cache
         times: dict[str, list[float]] = {name: [] for name in commands}
+        order = list(commands)
         for _ in range(runs):
-            for name, (command, code) in commands.items():
-                times[name].append(wall_time(command, code))
-    gate, bare, unidiff = (statistics.median(times[name]) for name in commands)
-    print(
-        f"apply.py --check: {gate * 1000:.1f} ms, python -c pass: {bare * 1000:.1f} ms,"
-        f" python -c 'import unidiff': {unidiff * 1000:.1f} ms (medians of {runs});"
-        f" ratio to a bare start {gate / bare:.2f} (target <= {TARGET_RATIO}), to importing unidiff {gate / unidiff:.2f}"
-    )
+            random.shuffle(order)  # none always runs just after another's cache damage
+            for name in order:
+                times[name].append(wall_time(*commands[name]))
+    *gates, bare, unidiff = (statistics.median(times[name]) for name in commands)
+    for name, gate in zip(commands, gates):
+        print(f"{name}: {gate * 1000:.1f} ms; ratio to a bare start {gate / bare:.2f} (target <= {TARGET_RATIO}),"
+              f" to importing unidiff {gate / unidiff:.2f}")
+    print(f"python -c pass: {bare * 1000:.1f} ms, python -c 'import unidiff': {unidiff * 1000:.1f} ms (medians of {runs})")
     return 0
 
 

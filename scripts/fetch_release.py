@@ -52,7 +52,6 @@ INDEX_URL = "https://pypi.org/simple/{project}/"
 # builds): project, version, wheel, sha256 of TARGET, the diff that fits it, and what it is.
 BUILDS = os.path.join(HERE, "releases", "builds.tsv")
 TIMEOUT_SECONDS = 60
-COLUMNS = Release._fields
 
 
 def read_table(path: str = TABLE) -> dict[str, Release]:

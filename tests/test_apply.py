@@ -587,7 +587,7 @@ def change_a_loop_line(data: bytes) -> bytes:
 def half_applied(data: bytes) -> bytes:
     fix = next(f for f in bundle.read_bundle() if f.name == "v0.33.0.diff")
     lines = match.split_lines(data.decode())
-    return match.rewrite(lines, fix._replace(hunks=fix.hunks[:1])).encode()
+    return match.rewrite(lines, bundle.Fix(fix.name, fix.hunks[:1])).encode()
 
 
 LOOP_LINE = b'            logger.exception("WorkerProc hit an exception.")\n'

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 
 import apply
-from rank_exception_fatal import bundle, decide, known
+from rank_exception_fatal import bundle, check, decide
 from conftest import TARGET, release_bytes, release_tree
 from helpers import APPLY, BUNDLE, run_loop_test
 import fetch_release
@@ -85,7 +85,7 @@ def test_each_release_is_decided_by_its_text_as_by_its_hash():
     for version in RELEASE_FILES:
         decision = decide.decide(release_bytes(version).decode("utf-8"), fixes)
         assert (decision.state, decision.fix.name) == ("not-applied", TABLE_ROWS[version].diff), version
-        assert known.decide_by_hash(release_bytes(version)).fix.name == TABLE_ROWS[version].diff, version
+        assert check.decide_by_hash(release_bytes(version)).fix.name == TABLE_ROWS[version].diff, version
 
 
 def test_readme_summary_says_what_the_table_says():
