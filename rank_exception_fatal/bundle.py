@@ -17,6 +17,10 @@ PATCHES_DIR = os.path.join(HERE, "patches")
 # file is a hash lookup.
 TABLE = os.path.join(HERE, "releases", "releases.tsv")
 LOOP_TEST = os.path.join(HERE, "test_rank_exception_fatal.py")
+# The diffs of earlier bundles, and the files they made (scripts/supersede.py): read only
+# for a file the release table does not know.
+EARLIER_DIR = os.path.join(PATCHES_DIR, "superseded")
+EARLIER_TABLE = os.path.join(HERE, "releases", "superseded.tsv")
 
 
 

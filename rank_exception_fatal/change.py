@@ -12,6 +12,7 @@ from .bytecode import bytecode_files, stale_bytecode_files
 from .decide import decide, decide_any
 from .disk import (DirectoryLock, check_writable, compile_error, leftover_temp_files, refuse_a_shared_file,
                    remove_files, replace_file)
+from .earlier import earlier_fix, release_text
 from .installed import container_note, describe, installed_distribution
 from .judged import by_behaviour
 from .locate import read_target
@@ -23,24 +24,35 @@ from .reports import bytecode_kept, drifted, settled
 from .running import mark_changed
 
 # The file as read, and what was decided of it: path (as given), its bytes and text,
-# the Decision, the Adaptation (None: the diff fits exactly) and the fixes tried.
-Read = namedtuple("Read", "path data text decision adaptation fixes")
+# the Decision, the Adaptation (None: the diff fits exactly), the fixes tried, and the
+# EarlierFix row if an earlier bundle's diff made it (then text is the release's text,
+# which that diff taken back gives, and the Decision is of that text).
+Read = namedtuple("Read", "path data text decision adaptation fixes earlier")
 
 
 def read_and_decide(path: str, fixes: Sequence, exact: bool) -> Read:
     data, text = read_target(os.path.realpath(path))
+    earlier = earlier_fix(data)
+    if earlier is not None:
+        released = release_text(earlier, text)
+        decision, adaptation = decide_any(released, fixes, exact=exact)
+        if decision.state == NOT_APPLIED_STATE:
+            return Read(path, data, released, decision, adaptation, fixes, earlier)
     decision, adaptation = decide_any(text, fixes, exact=exact)
-    return Read(path, data, text, decision, adaptation, fixes)
+    return Read(path, data, text, decision, adaptation, fixes, None)
 
 
 def plan(read: Read, *, revert: bool, exact: bool) -> bytes | Report:
     """The new bytes for a file the decision fits (not yet on the wanted side), or the
     drift Report that says why there are none: rewritten, decided again (it must read as
     the wanted side of the same diff), compiled, and proven by the loop test if adapted."""
-    path, data, text, decision, adaptation, fixes = read
+    path, data, text, decision, adaptation, fixes, earlier = read
     real = os.path.realpath(path)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
-    new = rewrite(split_lines(text), decision.fix, revert=revert).encode("utf-8")
+    if earlier is not None and revert:
+        new = text.encode("utf-8")  # the release's, which the earlier diff taken back gave
+    else:
+        new = rewrite(split_lines(text), decision.fix, revert=revert).encode("utf-8")
     again, _ = decide_any(new.decode("utf-8"), fixes, exact=exact)
     if (again.state, again.fix and again.fix.name) != (wanted, decision.fix.name):
         return drifted(path, data, text, fixes)
@@ -69,7 +81,7 @@ def run_diff(path: str, fixes: Sequence, *, exact: bool = False) -> Report:
         return drifted(path, data, text, fixes)
     name, adapted = decision.fix.name, adaptation is not None
     how = f"; {adapted_words(adaptation)}" if adapted else ""
-    if decision.state == APPLIED_STATE:
+    if decision.state == APPLIED_STATE and read.earlier is None:
         return Report(code=OK, state=APPLIED_STATE, message=f"applied (patches/{name}{how})", diff=name,
                       before=data, after=data, adapted=adapted)
     refuse_a_shared_file(path)  # what the real run would need: a diff it cannot write misleads
@@ -77,7 +89,8 @@ def run_diff(path: str, fixes: Sequence, *, exact: bool = False) -> Report:
     new = plan(read, revert=False, exact=exact)
     if not isinstance(new, bytes):
         return new
-    change = "".join(difflib.unified_diff(split_lines(text), split_lines(new.decode("utf-8")), f"a/{TARGET}", f"b/{TARGET}"))
+    old = split_lines(data.decode("utf-8"))  # the file as it stands (text is the release's for an earlier fix)
+    change = "".join(difflib.unified_diff(old, split_lines(new.decode("utf-8")), f"a/{TARGET}", f"b/{TARGET}"))
     return Report(code=OK, state=NOT_APPLIED_STATE, message=change, action=WOULD_APPLY, diff=name, before=data,
                   after=new, adapted=adapted)
 
@@ -91,7 +104,7 @@ def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert
     sources = sorted({path, real})  # Python caches bytecode by the path it imported
     read = read_and_decide(path, fixes, exact)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
-    if (read.decision.state == wanted and not leftover_temp_files(directory)
+    if (read.decision.state == wanted and read.earlier is None and not leftover_temp_files(directory)
             and not stale_bytecode_files(sources, read.data, pycache_prefix)):
         return settled(read.decision, revert, read.data, [], read.adaptation)
     if read.decision.state == DRIFTED_STATE:
@@ -101,7 +114,7 @@ def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert
     with DirectoryLock(directory):
         remove_files(leftover_temp_files(directory))  # from a run that was killed
         read = read_and_decide(path, fixes, exact)  # another run may have finished meanwhile
-        if read.decision.state == wanted:
+        if read.decision.state == wanted and read.earlier is None:
             return settle(read, sources, pycache_prefix, revert)
         if read.decision.state == DRIFTED_STATE:
             return drifted(path, read.data, read.text, fixes)
@@ -157,7 +170,13 @@ def write(read: Read, new: bytes, sources: list[str], pycache_prefix: str | None
     if kept:
         return bytecode_kept(read.decision, revert, action, read.data, new, kept)
     how = f"; {adapted_words(read.adaptation)}; proven by the loop test" if read.adaptation and not revert else ""
-    message = f"{action} patches/{name} ({describe(installed_distribution(read.path))}){how}"
+    if read.earlier is None:
+        what = f"patches/{name}"
+    elif revert:
+        what = f"patches/superseded/{read.earlier.diff} (an earlier bundle's fix)"
+    else:
+        what = f"patches/{name} in place of an earlier bundle's fix (patches/superseded/{read.earlier.diff})"
+    message = f"{action} {what} ({describe(installed_distribution(read.path))}){how}"
     note = container_note(real)
     message += f"; {note}" if note else ""
     return Report(code=OK, state=NOT_APPLIED_STATE if revert else APPLIED_STATE, message=message, action=action,

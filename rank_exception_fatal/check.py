@@ -57,19 +57,36 @@ def decide_by_hash(data: bytes) -> Decision | None:
 
 
 def check_by_the_diffs(path: str, data: bytes, text: str | None, pycache_prefix: str | None, *, exact: bool) -> Report:
-    """A file the table does not know: parsed diffs, adaptation, the loop probe. (Imported
-    here: a known file, the gate's usual case, needs none of them.)"""
+    """A file the table does not know: parsed diffs, adaptation, an earlier bundle's fix,
+    the loop probe. (Imported here: a known file, the gate's usual case, needs none of them.)"""
     from .decide import decide_any
+    from .earlier import earlier_fix, release_text
     from .judged import by_behaviour
     from .outcome import DRIFTED_STATE
     from .reports import drifted
 
     fixes = read_bundle()
+    earlier = earlier_fix(data)
+    if earlier is not None:  # exit 5 unless its diff gives the release back, as apply will need
+        decision, adaptation = decide_any(release_text(earlier, text), fixes, exact=exact)
+        if decision.state == NOT_APPLIED_STATE:
+            return earlier_report(data, earlier, decision, adaptation)
     decision, adaptation = decide_any(text, fixes, exact=exact)
     if decision.state == DRIFTED_STATE:
         judged = not exact and by_behaviour(path, data, text, fixes, pycache_prefix)
         return judged or drifted(path, data, text, fixes)
     return checked(path, data, decision, adaptation, pycache_prefix)
+
+
+def earlier_report(data: bytes, earlier, decision, adaptation) -> Report:
+    """1: an earlier bundle's fix, which apply replaces with the diff that fits the release."""
+    from .adapt import adapted_words
+
+    name, how = decision.fix.name, f" ({adapted_words(adaptation)})" if adaptation is not None else ""
+    message = (f"not applied: an earlier bundle's fix (patches/superseded/{earlier.diff}); apply.py puts"
+               f" patches/{name}{how} in its place")
+    return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, diff=name, before=data, after=data,
+                  adapted=adaptation is not None)
 
 
 def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: str | None) -> Report:

@@ -1,4 +1,5 @@
-"""The release table (releases/releases.tsv): its one reader, for apply.py and the scripts alike."""
+"""The release tables: releases/releases.tsv, and releases/superseded.tsv (the files earlier
+bundles made); their one reader, for apply.py and the scripts alike."""
 
 from .seal import DAMAGED, HEADER, unsealed
 
@@ -39,14 +40,7 @@ def read_releases(table: str, diffs: "Sequence[str] | None" = None, *, sealed: b
     twice, a file is one diff's, and each diff it names is among diffs (when given).
     sealed=False: for the scripts that edit it, a table whose seal is not written yet.
     One pass: the deploy gate reads the table on every run."""
-    _, broken = unsealed(table) if sealed else (None, None)
-    if broken == DAMAGED:
-        raise ValueError("is cut short or damaged (its sha256 differs): copy the bundle again")
-    if broken:
-        raise ValueError(f"does not start with {HEADER.strip()!r}: write it with scripts/make_diff.py --table")
-    header, rows = table_rows(table)
-    if tuple(header) != COLUMNS:
-        raise ValueError(f"must have the columns {' '.join(COLUMNS)}")
+    rows = checked_rows(table, COLUMNS, sealed=sealed, writer="scripts/make_diff.py --table")
     releases: dict[str, Release] = {}
     owner: dict[str, tuple[str, str]] = {}  # sha256 -> (diff, side)
     for row in rows:
@@ -56,6 +50,20 @@ def read_releases(table: str, diffs: "Sequence[str] | None" = None, *, sealed: b
             raise ValueError(problem)
         releases[release.version] = release
     return releases
+
+
+def checked_rows(table: str, columns: tuple[str, ...], *, sealed: bool, writer: str) -> list[list[str]]:
+    """A table's rows, once its seal (unless not sealed yet) and its columns are right;
+    ValueError saying what is wrong, and which script writes it, otherwise."""
+    _, broken = unsealed(table) if sealed else (None, None)
+    if broken == DAMAGED:
+        raise ValueError("is cut short or damaged (its sha256 differs): copy the bundle again")
+    if broken:
+        raise ValueError(f"does not start with {HEADER.strip()!r}: write it with {writer}")
+    header, rows = table_rows(table)
+    if tuple(header) != columns:
+        raise ValueError(f"must have the columns {' '.join(columns)}")
+    return rows
 
 
 def table_rows(table: str) -> tuple[list[str], list[list[str]]]:
@@ -89,3 +97,47 @@ def row_problem(release: Release | None, row: list[str], seen: dict[str, Release
         if owner.setdefault(digest, (release.diff, side)) != (release.diff, side):
             return f"row {release.version}: {digest} is already another diff's or the other side's file"
     return None
+
+
+# The earlier fixes table (releases/superseded.tsv): its columns, in order.
+EARLIER_COLUMNS = ("version", "diff", "sha256", "fixed_sha256")
+
+
+class EarlierFix:
+    """A row of releases/superseded.tsv: a file an earlier bundle's diff made of a release
+    (or of a build between releases) and this bundle's does not. The release's version
+    (or the build's name); the earlier diff, in patches/superseded/; the sha256 of the
+    release's file, which that diff taken back gives; the sha256 of the file it made. (A
+    plain class: see outcome.Report.)"""
+
+    __slots__ = EARLIER_COLUMNS
+
+    def __init__(self, version: str, diff: str, sha256: str, fixed_sha256: str) -> None:
+        self.version, self.diff, self.sha256, self.fixed_sha256 = version, diff, sha256, fixed_sha256
+
+    def __repr__(self) -> str:
+        return f"EarlierFix({self.version!r}, {self.diff!r})"
+
+
+def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequence[str] | None" = None, *,
+                       sealed: bool = True) -> dict[str, EarlierFix]:
+    """fixed_sha256 -> EarlierFix, from releases/superseded.tsv's text. ValueError saying
+    what is wrong if the table is not whole (sealed as the release table is), gives a
+    release of releases another file, gives a file that is a release's or this bundle's
+    fixed file, or twice, or a diff not among diffs (when given)."""
+    rows = checked_rows(table, EARLIER_COLUMNS, sealed=sealed, writer="scripts/supersede.py")
+    current = {digest for release in releases.values() for digest in (release.sha256, release.fixed_sha256)}
+    earlier: dict[str, EarlierFix] = {}
+    for row in rows:
+        fix = EarlierFix(*row) if len(row) == len(EARLIER_COLUMNS) else None
+        if (fix is None or len(fix.sha256) != 64 or len(fix.fixed_sha256) != 64
+                or (fix.sha256 + fix.fixed_sha256).strip(HEX_DIGITS)):
+            raise ValueError(f"has a malformed row: {row[0]!r}")
+        if fix.version in releases and releases[fix.version].sha256 != fix.sha256:
+            raise ValueError(f"row {fix.diff}: {fix.version}'s file has another sha256 in releases.tsv")
+        if fix.fixed_sha256 in current or fix.fixed_sha256 in earlier:
+            raise ValueError(f"row {fix.diff}: {fix.fixed_sha256} is a release's, this bundle's or another row's file")
+        if diffs is not None and fix.diff not in diffs:
+            raise ValueError(f"names {fix.diff}, which is not in patches/superseded/: copy the bundle again")
+        earlier[fix.fixed_sha256] = fix
+    return earlier
