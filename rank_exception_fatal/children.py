@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+
 def main(args: Sequence[str]) -> int:
     import json
 
