@@ -37,8 +37,8 @@ if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "cli.py")):
     raise SystemExit(missing_package("is missing"))  # never another bundle's, found further on the path
 try:
     from rank_exception_fatal.cli import main
-except (ImportError, SyntaxError) as e:
-    raise SystemExit(missing_package(f"cannot be loaded ({e})")) from None
+except Exception as e:  # a damaged copy, or a Python the package cannot run on: one line, never a traceback
+    raise SystemExit(missing_package(f"cannot be loaded ({type(e).__name__}: {e})")) from None
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -50,7 +50,7 @@ class Fix:
         return f"Fix(name={self.name!r}, hunks=<{len(self.hunks)}>)"
 
 
-def read_bundle(directory: str | None = None) -> list[Fix]:
+def read_bundle(directory: "str | None" = None) -> list[Fix]:
     """Every diff of the bundle, parsed, once the release table agrees with them."""
     directory = directory or PATCHES_DIR
     try:
@@ -108,7 +108,7 @@ def parse_fix(name: str, text: str) -> Fix:
     return Fix(name, tuple(hunks))
 
 
-def read_table_text(path: str | None = None) -> str:
+def read_table_text(path: "str | None" = None) -> str:
     try:
         with open(path or TABLE, encoding="utf-8", newline="") as f:
             return f.read()
@@ -129,14 +129,14 @@ def check_table(diffs: "Sequence[str]") -> None:
 HEX_DIGITS = frozenset("0123456789abcdef")
 
 
-def diff_release(name: str) -> tuple[int, ...] | None:
+def diff_release(name: str) -> "tuple[int, ...] | None":
     """v0.11.1.diff -> (0, 11, 1); None for any other name."""
     stem = name[:-len(".diff")] if name.endswith(".diff") else ""
     parts = stem[1:].split(".")
     return tuple(int(p) for p in parts) if stem.startswith("v") and all(p.isdigit() for p in parts) else None
 
 
-def diff_commit(name: str) -> str | None:
+def diff_commit(name: str) -> "str | None":
     """main-8fcaaf6a.diff -> "8fcaaf6a"; None for any other name."""
     commit = name[len("main-"):-len(".diff")] if name.startswith("main-") and name.endswith(".diff") else ""
     return commit if len(commit) == 8 and set(commit) <= HEX_DIGITS else None

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-def bytecode_files(paths: "Sequence[str]", pycache_prefix: str | None) -> list[str]:
+def bytecode_files(paths: "Sequence[str]", pycache_prefix: "str | None") -> list[str]:
     """Every cached .pyc of these source paths, whatever Python wrote it: in __pycache__
     beside them and, with a pycache prefix (PYTHONPYCACHEPREFIX), in the mirror tree under it."""
     found = set()
@@ -61,7 +61,7 @@ def stale_bytecode(header: bytes, source: bytes) -> bool:
     return header[:4] != MAGIC_NUMBER or _imp.source_hash(int.from_bytes(MAGIC_NUMBER, "little"), source) != header[8:16]
 
 
-def stale_bytecode_files(paths: "Sequence[str]", source: bytes, pycache_prefix: str | None) -> list[str]:
+def stale_bytecode_files(paths: "Sequence[str]", source: bytes, pycache_prefix: "str | None") -> list[str]:
     stale = []
     for pyc in bytecode_files(paths, pycache_prefix):
         try:

@@ -46,13 +46,14 @@ def plan(read: Read, *, revert: bool, exact: bool) -> bytes | Report:
     """The new bytes for a file the decision fits (not yet on the wanted side), or the
     drift Report that says why there are none: rewritten, decided again (it must read as
     the wanted side of the same diff), compiled, and proven by the loop test if adapted."""
-    path, data, text, decision, adaptation, fixes, earlier = read
+    path, data, released, decision, adaptation, fixes, earlier = read
     real = os.path.realpath(path)
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
     if earlier is not None and revert:
-        new = text.encode("utf-8")  # the release's, which the earlier diff taken back gave
+        new = released.encode("utf-8")  # the release's, which the earlier diff taken back gave
     else:
-        new = rewrite(split_lines(text), decision.fix, revert=revert).encode("utf-8")
+        new = rewrite(split_lines(released), decision.fix, revert=revert).encode("utf-8")
+    text = data.decode("utf-8") if earlier is not None else released  # what a drift report shows: the file
     again, _ = decide_any(new.decode("utf-8"), fixes, exact=exact)
     if (again.state, again.fix and again.fix.name) != (wanted, decision.fix.name):
         return drifted(path, data, text, fixes)
@@ -179,5 +180,7 @@ def write(read: Read, new: bytes, sources: list[str], pycache_prefix: str | None
     message = f"{action} {what} ({describe(installed_distribution(read.path))}){how}"
     note = container_note(real)
     message += f"; {note}" if note else ""
+    if read.earlier is not None and revert:
+        name = f"superseded/{read.earlier.diff}"  # the diff taken back
     return Report(code=OK, state=NOT_APPLIED_STATE if revert else APPLIED_STATE, message=message, action=action,
                   diff=name, before=read.data, after=written, adapted=read.adaptation is not None)

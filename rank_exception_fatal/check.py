@@ -12,7 +12,7 @@ from .seal import sha256_hex
 from .table import read_releases
 
 
-def run_check(path: str, pycache_prefix: str | None, *, exact: bool = False) -> Report:
+def run_check(path: str, pycache_prefix: "str | None", *, exact: bool = False) -> Report:
     data, text = read_target(path)
     decision = decide_by_hash(data)
     if decision is None:
@@ -31,7 +31,7 @@ def known_files(table: str) -> dict[str, tuple[str, str]]:
     return known
 
 
-def decide_by_hash(data: bytes) -> Decision | None:
+def decide_by_hash(data: bytes) -> "Decision | None":
     """The decision for a file the release table knows, without parsing a diff: parsing
     costs more than the rest of a --check together. None for any other file, and when
     patches/ is not the set of diffs the table names, and those for upstream main between
@@ -56,7 +56,7 @@ def decide_by_hash(data: bytes) -> Decision | None:
     return Decision(state, Fix(name, ()))
 
 
-def check_by_the_diffs(path: str, data: bytes, text: str | None, pycache_prefix: str | None, *, exact: bool) -> Report:
+def check_by_the_diffs(path: str, data: bytes, text: "str | None", pycache_prefix: "str | None", *, exact: bool) -> Report:
     """A file the table does not know: parsed diffs, adaptation, an earlier bundle's fix,
     the loop probe. (Imported here: a known file, the gate's usual case, needs none of them.)"""
     from .decide import decide_any
@@ -89,7 +89,7 @@ def earlier_report(data: bytes, earlier, decision, adaptation) -> Report:
                   adapted=adaptation is not None)
 
 
-def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: str | None) -> Report:
+def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str | None") -> Report:
     """0 applied (1 if stale bytecode of the release would run instead), 1 not applied."""
     name = decision.fix.name
     if decision.state == APPLIED_STATE:

@@ -71,7 +71,7 @@ class Options:
 
     __slots__ = ("root", "mode", "json", "help", "pid", "exact")
 
-    def __init__(self, root: str | None, mode: str, json: bool, help: bool, pid: str | None, exact: bool) -> None:
+    def __init__(self, root: "str | None", mode: str, json: bool, help: bool, pid: "str | None", exact: bool) -> None:
         self.root, self.mode, self.json, self.help, self.pid, self.exact = root, mode, json, help, pid, exact
 
 
@@ -169,7 +169,7 @@ def run(args: Options, located: Located) -> Report:
     return run_change(located.path, read_bundle(), prefix, revert=args.mode == "revert", exact=args.exact)
 
 
-def run_verify(path: str, root: str | None) -> Report:
+def run_verify(path: str, root: "str | None") -> Report:
     """--verify: the installed vLLM's own worker loop, driven in a harness child."""
     try:
         from . import verify
@@ -214,12 +214,12 @@ def emit(stream, text: str) -> None:
             pass
 
 
-def print_json(report: Report, path: str | None) -> None:
+def print_json(report: Report, path: "str | None") -> None:
     import json
 
     from .seal import sha256_hex
 
-    def digest(data: bytes | None) -> str | None:
+    def digest(data: "bytes | None") -> "str | None":
         return None if data is None else sha256_hex(data)
 
     from .installed import installed_distribution

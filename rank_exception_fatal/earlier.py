@@ -15,12 +15,16 @@ from .table import EarlierFix, read_earlier_fixes, read_releases
 
 
 def earlier_fix(data: bytes) -> EarlierFix | None:
-    """The row for a file an earlier bundle's diff made; None for any other. Exit 5 if
-    either table is not whole or they disagree."""
+    """The row for a file an earlier bundle's diff made; None for any other (a release's
+    file, or the one its diff makes, without reading the earlier fixes). Exit 5 if a table
+    read is not whole or they disagree."""
     try:
         releases = read_releases(read_table_text())
     except ValueError as e:
         raise Failure(BAD_BUNDLE, f"releases/releases.tsv {e}") from None
+    digest = sha256_hex(data)
+    if any(digest in (release.sha256, release.fixed_sha256) for release in releases.values()):
+        return None
     try:
         names = bundle.diff_names(bundle.EARLIER_DIR)
         with open(bundle.EARLIER_TABLE, encoding="utf-8", newline="") as f:
@@ -29,7 +33,7 @@ def earlier_fix(data: bytes) -> EarlierFix | None:
         raise Failure(BAD_BUNDLE, f"cannot read the earlier fixes ({e}); copy the bundle again") from None
     except ValueError as e:
         raise Failure(BAD_BUNDLE, f"releases/superseded.tsv {e}") from None
-    return earlier.get(sha256_hex(data))
+    return earlier.get(digest)
 
 
 def release_text(row: EarlierFix, text: str) -> str:

@@ -19,14 +19,14 @@ class Located:
 
     __slots__ = ("path", "pycache_prefix")
 
-    def __init__(self, path: str, pycache_prefix: str | None = None) -> None:
+    def __init__(self, path: str, pycache_prefix: "str | None" = None) -> None:
         self.path, self.pycache_prefix = path, pycache_prefix
 
     def __repr__(self) -> str:
         return f"Located(path={self.path!r}, pycache_prefix={self.pycache_prefix!r})"
 
 
-def locate_target(root: str | None) -> str:
+def locate_target(root: "str | None") -> str:
     """The source file Python would import as vllm's executor: under --root, or on this
     Python's sys.path. Searched as the import system searches (a namespace package's
     portions in order, a compiled module before the source, a zip), without running
@@ -71,7 +71,7 @@ def import_system_class(name: str) -> type:
     return getattr(importlib.machinery, name)
 
 
-def read_target(path: str) -> tuple[bytes, str | None]:
+def read_target(path: str) -> "tuple[bytes, str | None]":
     """The file's bytes, and their text (None if they are not UTF-8)."""
     try:
         with open(path, "rb") as f:
@@ -244,7 +244,7 @@ def interpreter_as_run(pid: str, exe: str, command: "Sequence[str]", cwd: str, e
     )
 
 
-def interpreter_view(command: "Sequence[str]", cwd: str) -> tuple[list[str], str, str | None]:
+def interpreter_view(command: "Sequence[str]", cwd: str) -> "tuple[list[str], str, str | None]":
     """From a Python command line: the flags that change what it imports, its sys.path[0]
     (the script's directory; a directory or zip run as a script itself; the working
     directory's path for -m; "" for -c, the working directory itself), and its -X pycache_prefix (None if not given)."""

@@ -56,8 +56,8 @@ class Report:
 
     __slots__ = ("code", "state", "message", "action", "diff", "before", "after", "adapted")
 
-    def __init__(self, *, code: int, state: str, message: str, action: str = NO_ACTION, diff: str | None = None,
-                 before: bytes | None = None, after: bytes | None = None, adapted: bool = False) -> None:
+    def __init__(self, *, code: int, state: str, message: str, action: str = NO_ACTION, diff: "str | None" = None,
+                 before: "bytes | None" = None, after: "bytes | None" = None, adapted: bool = False) -> None:
         self.code, self.state, self.message, self.action = code, state, message, action
         self.diff, self.before, self.after, self.adapted = diff, before, after, adapted
 

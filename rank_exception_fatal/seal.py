@@ -21,7 +21,7 @@ def seal(body: str) -> str:
     return f"{HEADER}{sha256_hex(body.encode('utf-8'))}\n{body}"
 
 
-def unsealed(text: str) -> tuple[str | None, str | None]:
+def unsealed(text: str) -> "tuple[str | None, str | None]":
     """(the text below the seal, None) if it is whole; else (None, UNSEALED or DAMAGED)."""
     first, _, body = text.partition("\n")
     if not first.startswith(HEADER):

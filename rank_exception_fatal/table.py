@@ -72,7 +72,7 @@ def table_rows(table: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def table_problem(table: str, diffs: "Sequence[str] | None" = None, *, sealed: bool = True) -> str | None:
+def table_problem(table: str, diffs: "Sequence[str] | None" = None, *, sealed: bool = True) -> "str | None":
     """What is wrong with the release table's text (read_releases says what it checks), if anything."""
     try:
         read_releases(table, diffs, sealed=sealed)
@@ -81,8 +81,8 @@ def table_problem(table: str, diffs: "Sequence[str] | None" = None, *, sealed: b
     return None
 
 
-def row_problem(release: Release | None, row: list[str], seen: dict[str, Release], owner: dict[str, tuple[str, str]],
-                diffs: "Sequence[str] | None") -> str | None:
+def row_problem(release: "Release | None", row: list[str], seen: dict[str, Release], owner: dict[str, tuple[str, str]],
+                diffs: "Sequence[str] | None") -> "str | None":
     if (release is None or len(release.sha256) != 64 or len(release.fixed_sha256) != 64
             or (release.sha256 + release.fixed_sha256).strip(HEX_DIGITS)  # leaves what is not a hex digit
             or release.fault_tolerance not in ("yes", "no") or release.sdist not in ("same", "differs", "none")):

@@ -6,6 +6,7 @@ earlier diff or table is a malformed bundle, and the file is left as it was."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def test_apply_puts_this_bundle_s_fix_in_place_of_an_earlier_one(name, tmp_path,
     assert sha256(read(root)) == today_s_fixed_sha256(row)
     assert apply.main(["--root", root, "--check"]) == 0
     write(root, made)
-    assert apply.main(["--root", root, "--revert"]) == 0
+    assert apply.main(["--root", root, "--revert", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["diff"] == f"superseded/{name}"
     assert read(root) == source_bytes(row)
 
 
@@ -166,3 +168,14 @@ def test_a_damaged_earlier_fix_is_a_malformed_bundle(damage, complaint, make_tre
         err = capsys.readouterr().err
         assert complaint in err and len(err.strip().splitlines()) == 1, err
         assert read(root) == made, mode
+
+
+def test_a_known_file_needs_no_earlier_fix(make_tree, tmp_path, monkeypatch, capsys):
+    """A release's file and the one its diff makes never read the earlier fixes: a bundle
+    copied without them still checks, applies and reverts those."""
+    monkeypatch.setattr(bundle, "EARLIER_DIR", str(tmp_path / "no-superseded"))
+    monkeypatch.setattr(bundle, "EARLIER_TABLE", str(tmp_path / "no-superseded.tsv"))
+    root = make_tree("0.30.0")
+    for mode, code in ((["--check"], 1), (["--diff"], 0), ([], 0), (["--check"], 0), ([], 0), (["--revert"], 0)):
+        assert apply.main(["--root", root, *mode]) == code, (mode, capsys.readouterr())
+    assert read(root) == release_bytes("0.30.0")
