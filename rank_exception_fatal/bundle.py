@@ -23,7 +23,6 @@ EARLIER_DIR = os.path.join(PATCHES_DIR, "superseded")
 EARLIER_TABLE = os.path.join(HERE, "releases", "superseded.tsv")
 
 
-
 class Hunk:
     """before: the hunk's context and removed lines, the release's text; after: its
     context and added lines, the fixed text. Lines keep their "\n". (A plain class: see

@@ -25,7 +25,7 @@ from rank_exception_fatal.bundle import EARLIER_DIR, EARLIER_TABLE, parse_fix
 from rank_exception_fatal.match import fingerprint, rewrite, split_lines
 from rank_exception_fatal.outcome import NOT_APPLIED_STATE, TARGET
 from rank_exception_fatal.seal import HEADER, seal, sha256_hex
-from rank_exception_fatal.table import EARLIER_COLUMNS
+from rank_exception_fatal.table import EARLIER_COLUMNS, table_rows
 
 TABLE_NOTE = """\
 # Files earlier bundles made of a release, which this bundle's diffs do not make: apply.py
@@ -47,7 +47,7 @@ def named_in(text: str | None, key: str) -> dict[str, str]:
     """key column -> diff, from a table's text (releases.tsv, builds.tsv) at some commit."""
     if text is None:
         return {}
-    header, *rows = [line.split("\t") for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    header, rows = table_rows(text)
     return {row[header.index(key)]: row[header.index("diff")] for row in rows}
 
 
