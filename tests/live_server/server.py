@@ -38,6 +38,8 @@ DROPPED = re.compile(r"WorkerProc hit an exception\.")
 FIX_EXIT = re.compile(r"Rank (\d+) failed (\S+), whose result only rank (\d+) returns: exiting with status 1")
 CHILD_EXIT = r"rank_fault: pid {pid} (exited with status|was killed by signal) (\d+)"
 MONITOR = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|None)\)")
+# The engine's fatal error, as EngineCore logs it: "(EngineCore pid=N) ERROR ... [core.py:N] KeyError: 'cmpl-...'".
+ENGINE_ERROR = re.compile(r"^\(EngineCore[^)]*\) ERROR .*\[core\.py:\d+\] (\w+(?:Error|Exception)\b.*)$", re.M)
 
 
 def free_port() -> int:
@@ -141,16 +143,20 @@ def layout_args(layout: str, workdir: str) -> list[str]:
     return args
 
 
-def server_command(python: str, model: str, workdir: str, layout: str, port: int) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
+def serve_args(workdir: str, layout: str, port: int) -> list[str]:
+    """The engine's and the API server's arguments, after the model: two ranks, the mp executor."""
     return [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, *layout_args(layout, workdir),
+        *layout_args(layout, workdir),
         "--distributed-executor-backend", "mp",
         # bfloat16 dies with SIGILL in the CPU attention kernel on these VMs.
         "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
         "--host", "127.0.0.1", "--port", str(port),
     ]
+
+
+def server_command(python: str, model: str, workdir: str, layout: str, port: int) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *serve_args(workdir, layout, port)]
 
 
 def server_env(workdir: str, trigger: str) -> dict[str, str]:
@@ -168,6 +174,10 @@ def server_env(workdir: str, trigger: str) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        # Eager: the first step would compile (torch.compile, inductor) for 20-40 s on these
+        # machines, in every server, whose cache lives in its own TMPDIR. The fix is in the
+        # executor and its workers' loop, which compiling the model does not touch.
+        "TORCHDYNAMO_DISABLE": "1",
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -191,10 +201,8 @@ class Server:
         self.shm_left_file = os.path.join(self.workdir, "shm-left")
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.proc = subprocess.Popen(
-            with_private_shm(
-                server_command(self.python, self.model, self.workdir, self.layout, self.port), self.shm_left_file
-            ),
-            env=server_env(self.workdir, self.trigger),
+            with_private_shm(self.command(), self.shm_left_file),
+            env=self.environment(),
             cwd=self.workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -204,6 +212,12 @@ class Server:
             start_new_session=True,  # its own group: stop() ends every process it made
         )
         threading.Thread(target=self._read_output, daemon=True).start()
+
+    def command(self) -> list[str]:
+        return server_command(self.python, self.model, self.workdir, self.layout, self.port)
+
+    def environment(self) -> dict[str, str]:
+        return server_env(self.workdir, self.trigger)
 
     def _read_output(self) -> None:
         for line in self.proc.stdout:

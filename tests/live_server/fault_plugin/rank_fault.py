@@ -4,7 +4,7 @@ vLLM loads every `vllm.general_plugins` entry point in each of its processes; th
 one is found through the .dist-info beside it when this folder is on PYTHONPATH,
 so the vLLM install itself is never touched. It does nothing unless
 RANK_FAULT_TRIGGER names a path. When a file TRIGGER.RANK appears holding a
-point, the worker of that rank fails its next execute_model that schedules
+point, the worker of that (global) rank fails its next execute_model that schedules
 tokens (vLLM also sends empty steps), and only that one:
 
   start    raises before the model runs: the other ranks go on into the forward
@@ -82,7 +82,7 @@ def register() -> None:
 
     @functools.wraps(execute_model)
     def faulty_execute_model(self, scheduler_output, *args, **kwargs):
-        rank = self.rpc_rank
+        rank = global_rank(self)
         point = claim(rank) if scheduler_output.total_num_scheduled_tokens > 0 else None
         if point in ("start", "hang"):
             fire(rank, point)
@@ -95,6 +95,13 @@ def register() -> None:
 
     faulty_execute_model.rank_fault = True
     WorkerWrapperBase.execute_model = faulty_execute_model
+
+
+def global_rank(wrapper) -> int:
+    """The worker's rank across all nodes, which TRIGGER.RANK names. Its rpc_rank is its
+    index on its own node: on two nodes of one rank each, both ranks have rpc_rank 0.
+    On one node the two are equal (vLLM before WorkerWrapperBase.global_rank: rpc_rank)."""
+    return getattr(wrapper, "global_rank", wrapper.rpc_rank)
 
 
 def arm_forward(wrapper, rank: int) -> None:

