@@ -39,6 +39,7 @@ import threading
 import time
 import types
 import unittest
+import unittest.mock
 
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # the bundle, whose package this test drives
 
@@ -46,6 +47,7 @@ from rank_exception_fatal.locate import locate_target  # noqa: E402
 from rank_exception_fatal.loop_cases import run_case  # noqa: E402
 from rank_exception_fatal.loop_child import CASE_TIMEOUT_SECONDS  # noqa: E402
 from rank_exception_fatal.loop_extract import (ResponseStatus, extract_collective_rpc,  # noqa: E402
+                                               extract_worker_monitor,
                                                fault_tolerance_statements, has_sample_tokens,
                                                release_has_fault_tolerance, uses_rank0_only, worker_proc_class)
 from rank_exception_fatal.outcome import TARGET, Failure  # noqa: E402
@@ -81,10 +83,13 @@ class WorkerLoopTest(unittest.TestCase):
             cls.worker_proc = worker_proc_class(ast.parse(f.read()))
         # A call answered by one rank other than 0, where the release can say so.
         cls.other_output_rank = 0 if uses_rank0_only(cls.worker_proc) else 1
+        cls.multi_node = runs_on_several_nodes(target)
 
-    def run_case(self, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False):
+    def run_case(self, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False,
+                 engine_on_another_node=False):
         return run_case(self.target, rank, calls, fault_tolerance=fault_tolerance,
-                        blocking_teardown=blocking_teardown, monitor=monitor)
+                        blocking_teardown=blocking_teardown, monitor=monitor,
+                        engine_on_another_node=engine_on_another_node)
 
     def assert_exited_for(self, outcome, *, rank, method, output_rank, ran):
         self.assertFalse(outcome.timed_out, f"the worker did not end within {CASE_TIMEOUT_SECONDS}s: {outcome}")
@@ -110,6 +115,19 @@ class WorkerLoopTest(unittest.TestCase):
             ],
         )
         self.assert_exited_for(outcome, rank=2, method="execute_model", output_rank=0, ran=["execute_model"])
+
+    def test_a_rank_on_another_node_replies_its_failure_then_exits(self):
+        # Multi-node (0.11.1 on): the engine's executor sees a worker on another node go only
+        # as its connection drops, and ends the engine with the failure this rank sends first.
+        if not self.multi_node:
+            return
+        calls = [{"method": "execute_model", "output_rank": 0}, {"method": "sample_tokens", "output_rank": 0}]
+        outcome = self.run_case(1, calls, engine_on_another_node=True)
+        self.assertFalse(outcome.timed_out, str(outcome))
+        self.assertEqual(outcome.returncode, 1, f"the worker must exit with status 1: {outcome}")
+        self.assertEqual(outcome.ran, ["execute_model"], str(outcome))
+        self.assertEqual([(r["reply"], r.get("message")) for r in outcome.replies],
+                         [("failure", "device out of memory during prefill")], str(outcome))
 
     def test_exit_does_not_wait_for_a_blocked_teardown(self):
         outcome = self.run_case(
@@ -316,6 +334,25 @@ class WorkerLoopTest(unittest.TestCase):
         self.assert_monitor(True, ends_peers=False)  # fault tolerance: the release's order
 
 
+    def test_a_headless_node_exits_non_zero_when_a_worker_dies(self):
+        # A node other than the engine's runs the worker monitor inline and ends when it
+        # returns: with status 1, so that whatever runs the node restarts it.
+        if not self.multi_node:
+            return
+        for fault_tolerance in (False, True) if release_has_fault_tolerance(self.target) else ("absent",):
+            with self.subTest(fault_tolerance=fault_tolerance):
+                outcome = self.run_case(monitor="inline", fault_tolerance=fault_tolerance)
+                self.assertFalse(outcome.timed_out, str(outcome))
+                # Fault tolerance: the release's exit, 0.
+                self.assertEqual(outcome.returncode, 0 if fault_tolerance is True else 1, str(outcome))
+
+
+def runs_on_several_nodes(path: str) -> bool:
+    """Whether the release runs its executor across nodes (--nnodes, 0.11.1 on)."""
+    with open(path, encoding="utf-8") as f:
+        return "peer_worker_response_mqs" in f.read()
+
+
 class TimedResponseQueue:
     """One rank's response queue: each reply can be read from its time on (seconds after
     the call); a rank with no reply left is stuck, as in a collective with a dead peer,
@@ -346,11 +383,82 @@ class TimedResponseQueue:
         self.shut_down = True
 
 
+class RemoteResponseQueue(TimedResponseQueue):
+    """A rank's queue read from another node, over zmq: shutdown() does not wake its read
+    (vLLM's MessageQueue checks shutting_down for readers on its own node only). The
+    monitor of its connection (FakeMonitorSocket) reports when the connection drops."""
+
+    _is_remote_reader = True
+
+    def __init__(self, *replies):
+        super().__init__(*replies)
+        self.connection = FakeMonitorSocket()
+        self.remote_socket = types.SimpleNamespace(get_monitor_socket=lambda events: self.connection)
+
+    def dequeue(self, timeout=None, cancel=None, indefinite=False):
+        return super().dequeue(timeout)  # nor does the executor's cancel event (0.17 and older)
+
+    def shutdown(self):
+        pass
+
+
+class FakeMonitorSocket:
+    """What zmq's Socket.get_monitor_socket gives: one DISCONNECTED event, once drop()."""
+
+    def __init__(self):
+        self.dropped = threading.Event()
+        self.reported = False
+
+    def drop(self):
+        self.dropped.set()
+
+    def close(self, linger=None):
+        pass
+
+
+class FakePoller:
+    def __init__(self):
+        self.sockets = []
+
+    def register(self, socket, flags):
+        self.sockets.append(socket)
+
+    def poll(self, timeout=None):
+        end = time.monotonic() + (timeout or 0) / 1000
+        while True:
+            ready = [(socket, 1) for socket in self.sockets if socket.dropped.is_set() and not socket.reported]
+            if ready or time.monotonic() >= end:
+                return ready
+            time.sleep(0.005)
+
+
+def fake_zmq() -> dict:
+    """sys.modules entries for the part of pyzmq the fix's watch of other nodes uses."""
+    zmq = types.ModuleType("zmq")
+    zmq.EVENT_DISCONNECTED, zmq.POLLIN = 512, 1
+    zmq.ZMQError = type("ZMQError", (Exception,), {})
+    zmq.Poller = FakePoller
+    monitor = types.ModuleType("zmq.utils.monitor")
+
+    def recv_monitor_message(socket):
+        socket.reported = True
+        return {"event": zmq.EVENT_DISCONNECTED, "value": 0, "endpoint": b"tcp://10.0.0.2:5555"}
+
+    monitor.recv_monitor_message = recv_monitor_message
+    zmq.utils = types.ModuleType("zmq.utils")
+    zmq.utils.monitor = monitor
+    return {"zmq": zmq, "zmq.utils": zmq.utils, "zmq.utils.monitor": monitor}
+
+
 class StandInAggregator:
     """A KV or EC connector's aggregator: makes the call one that every rank answers."""
 
     def aggregate(self, outputs, output_rank=0):
         return list(outputs)
+
+
+class StandInExecutor(types.SimpleNamespace):
+    """The executor's state that collective_rpc reads; its watchers hold it by weak reference."""
 
 
 class ExecutorReadTest(unittest.TestCase):
@@ -383,7 +491,7 @@ class ExecutorReadTest(unittest.TestCase):
 
     def executor(self, *queues, fault_tolerance=False):
         parallel_config = types.SimpleNamespace(enable_fault_tolerance=fault_tolerance)
-        return types.SimpleNamespace(
+        return StandInExecutor(
             rpc_broadcast_mq=types.SimpleNamespace(enqueue=lambda request: None),
             response_mqs=list(queues),
             workers=tuple(types.SimpleNamespace(worker_response_mq=queue) for queue in queues),
@@ -418,6 +526,7 @@ class ExecutorReadTest(unittest.TestCase):
 
         def shut_down():
             time.sleep(seconds)
+            executor.shutting_down = True  # shutdown()'s first step
             for worker in executor.workers:
                 worker.worker_response_mq = None  # as shutdown() does, before it cancels a read
             executor.shutdown_event.set()
@@ -444,6 +553,64 @@ class ExecutorReadTest(unittest.TestCase):
                         future.result()
                     self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
                     self.assertIn("rank 1: device out of memory", str(raised.exception), call)
+
+    def test_a_worker_lost_on_another_node_ends_the_step(self):
+        # Multi-node: rank 1 runs on another node, and this node's rank 0, the output
+        # rank, waits in a collective for it. When rank 1's connection drops, the
+        # executor fails, ends this node's workers and shuts down, and the step ends at
+        # once: with the failure rank 1 sent before it exited, or, killed, with none.
+        if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
+            return
+        watch = extract_worker_monitor(self.target).get("_watch_remote_workers")
+        self.assertIsNotNone(watch, "the executor does not watch the workers on other nodes")
+        failure = (ResponseStatus.FAILURE, "rank 1: device out of memory")
+        for sent, error in ((((0, failure),), "rank 1: device out of memory"), ((), None)):
+            with self.subTest(replied=bool(sent)):
+                local, remote = TimedResponseQueue(), RemoteResponseQueue(*sent)
+                executor = self.executor(local, remote)
+                killed, called_back = [], threading.Event()
+                executor.workers = (types.SimpleNamespace(
+                    worker_response_mq=local, peer_worker_response_mqs=[None, remote],
+                    proc=types.SimpleNamespace(kill=lambda: killed.append(0))),)
+                executor.failure_callback = called_back.set
+
+                def shutdown(executor=executor, local=local):
+                    executor.shutting_down = True
+                    executor.shutdown_event.set()
+                    local.shutdown()
+                    executor.response_mqs = []
+
+                executor.shutdown = shutdown
+                with unittest.mock.patch.dict(sys.modules, fake_zmq()):
+                    watch(executor)
+                threading.Timer(0.2, remote.connection.drop).start()
+                started = time.monotonic()
+                with self.assertRaises(RuntimeError) as raised:
+                    self.call(executor, "execute_model", timeout=5, aggregated=False)
+                self.assertLess(time.monotonic() - started, 2, "the step waited for its timeout")
+                if error:
+                    self.assertIn(error, str(raised.exception))
+                self.assertTrue(executor.is_failed)
+                self.assertTrue(called_back.is_set(), "the engine's failure callback")
+                self.assertEqual(killed, [0], "this node's workers are ended")
+
+    def test_a_read_of_another_node_ends_with_the_executor(self):
+        # Pipeline parallelism across nodes puts the output rank on another node, whose
+        # read shutdown() does not wake: the read must end when the executor does. A
+        # reply that takes a while is still read whole.
+        if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
+            return
+        success = ResponseStatus.SUCCESS
+        executor = self.executor(TimedResponseQueue(), RemoteResponseQueue((0.35, (success, "rank 1"))))
+        self.assertEqual(self.collective_rpc(executor, "execute_model", timeout=5, args=(None,),
+                                             unique_reply_rank=1), "rank 1")
+        executor = self.executor(TimedResponseQueue(), RemoteResponseQueue())
+        self.shut_down_after(executor, 0.2)
+        started = time.monotonic()
+        with self.assertRaises(Exception) as raised:
+            self.collective_rpc(executor, "execute_model", timeout=5, args=(None,), unique_reply_rank=1)
+        self.assertIsInstance(raised.exception, RuntimeError, "the read waited for its timeout")
+        self.assertLess(time.monotonic() - started, 2, "the read waited for its timeout")
 
     def test_a_healthy_step_reads_each_rank_once(self):
         # The release's read: one dequeue a rank with the call's deadline, never a

@@ -52,14 +52,18 @@ class Outcome:
         return f"exit status {self.returncode}, events {self.events}\nstderr:\n{self.stderr}"
 
 
-def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False):
-    """One case, in a child Python: the fix ends the process, so a case cannot run in this one."""
+def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False,
+             engine_on_another_node=False):
+    """One case, in a child Python: the fix ends the process, so a case cannot run in this one.
+    monitor: True runs the executor's worker monitor in its thread, "inline" as a headless
+    node runs it; engine_on_another_node: the worker's replies go to another node."""
     case = {
         "rank": rank,
         "calls": calls,
         "fault_tolerance": fault_tolerance,
         "blocking_teardown": blocking_teardown,
         "monitor": monitor,
+        "engine_on_another_node": engine_on_another_node,
     }
     command = child_command("case", target, json.dumps(case))
     try:

@@ -97,7 +97,12 @@ def failing_pickled_step(worker):
 
 
 class FakeResponseQueue:
-    """worker_response_mq, onto which releases before 0.10.2 put replies themselves."""
+    """worker_response_mq, onto which releases before 0.10.2 put replies themselves. Its
+    reader is on another node (n_remote_reader, as vLLM's MessageQueue counts them) for a
+    worker on a node other than the engine's."""
+
+    def __init__(self, n_remote_reader: int = 0) -> None:
+        self.n_remote_reader = n_remote_reader
 
     def enqueue(self, response):
         status, value = response
@@ -174,7 +179,7 @@ def drive(path: str, worker_proc_type, cls, plain, case: dict) -> None:
     proc.worker = StandInModelWorker()
     proc.use_async_scheduling = False
     proc.mm_receiver_cache = None  # 0.11.0's multimodal cache, off
-    proc.worker_response_mq = FakeResponseQueue()
+    proc.worker_response_mq = FakeResponseQueue(1 if case.get("engine_on_another_node") else 0)
     rank0_only = uses_rank0_only(cls)
     size = request_size(cls)
     proc.rpc_broadcast_mq = FakeBroadcastQueue(rpc_request(c, rank0_only)[:size] for c in case["calls"])
@@ -209,7 +214,7 @@ def exits_with_status_1() -> None:
 def run_monitor(path: str, case: dict) -> None:
     import multiprocessing
 
-    start_worker_monitor = extract_worker_monitor(path)
+    methods = extract_worker_monitor(path)
     context = multiprocessing.get_context("fork")
     peer = context.Process(target=stuck_in_a_collective, name="StuckPeer", daemon=True)
     dying = context.Process(target=exits_with_status_1, name="DyingWorker", daemon=True)
@@ -218,8 +223,13 @@ def run_monitor(path: str, case: dict) -> None:
     executor = StandInExecutor(
         [types.SimpleNamespace(proc=peer), types.SimpleNamespace(proc=dying)], case.get("fault_tolerance")
     )
+    for name, method in methods.items():
+        setattr(executor, name, types.MethodType(method, executor))
     try:
-        start_worker_monitor(executor)  # its thread waits for a worker to die
+        if case["monitor"] == "inline":  # as a headless node runs it: it returns when a worker died
+            executor.start_worker_monitor(inline=True)
+        else:
+            executor.start_worker_monitor()  # its thread waits for a worker to die
         called_back = executor.called_back.wait(CASE_TIMEOUT_SECONDS - 1)
         if executor.peers_alive_at_shutdown is not None:  # the dead worker's peers, as shutdown() found them
             emit(peers_alive_at_shutdown=executor.peers_alive_at_shutdown[:-1])

@@ -245,18 +245,25 @@ def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
     return namespace["WorkerProc"], cls
 
 
-def extract_worker_monitor(path: str):
-    """MultiprocExecutor.start_worker_monitor from the file, as a plain function."""
+# What start_worker_monitor calls on its executor in a fixed file: the fix's watch of
+# the workers on other nodes (multi-node releases).
+MONITOR_METHODS = ("start_worker_monitor", "_watch_remote_workers")
+
+
+def extract_worker_monitor(path: str) -> dict:
+    """MultiprocExecutor.start_worker_monitor from the file, and the executor's methods
+    it calls that the file has (MONITOR_METHODS), as plain functions by name."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), filename=path)
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MultiprocExecutor"]
-    [function] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "start_worker_monitor"]
-    strip_annotations(function)
-    module = ast.Module(body=[*stdlib_imports(tree), function], type_ignores=[])
+    functions = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in MONITOR_METHODS]
+    for function in functions:
+        strip_annotations(function)
+    module = ast.Module(body=[*stdlib_imports(tree), *functions], type_ignores=[])
     ast.fix_missing_locations(module)
     namespace = {"__name__": "multiproc_executor_under_test", "logger": logging.getLogger(LOGGER_NAME)}
     exec(compile(module, path, "exec"), namespace)
-    return namespace["start_worker_monitor"]
+    return {function.name: namespace[function.name] for function in functions}
 
 
 def extract_collective_rpc(path: str):
