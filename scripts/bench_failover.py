@@ -19,7 +19,9 @@ One server at a time; about a minute per row on a 2-core machine.
 --recorded FILE prints the same rows from the timelines that the live test wrote to
 FILE (one JSON object a server, when $RANK_EXCEPTION_FATAL_TIMELINES names it): the
 live test starts the same servers with the same faults, so scripts/test reads them
-there instead of starting them twice.
+there instead of starting them twice. It also prints the two-node servers' rows
+(tests/live_server/test_two_nodes.py): the seconds from the fault to the leader's
+/health not answering 200 and to each node's exit, and the follower's exit status.
 """
 from __future__ import annotations
 
@@ -62,25 +64,50 @@ def cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def answer(t: dict) -> str:
+    """What the request sent after the fault got."""
+    if t["answer"][0] == 200:
+        return "correct" if t["answer"][1] == t["reference"] else "WRONG"
+    return f"none ({t['answer'][0] or 'no reply'} at {t['answered']:.1f} s)"
+
+
 def row(state: str, fault: str, t: dict) -> str:
     """One line of the table, from a Timeline's as_dict()."""
-    if t["answer"][0] == 200:
-        answer = "correct" if t["answer"][1] == t["reference"] else "WRONG"
-    else:
-        answer = f"none ({t['answer'][0] or 'no reply'} at {t['answered']:.1f} s)"
     return (f"{state:8} {fault:14} {cell(t['dropped']):>8} {cell(t['fix_exit']):>6} "
             f"{cell(t['monitor']):>8} {status(t['exit_status']):>6} {cell(t['health_down']):>7} "
-            f"{cell(t['gone']):>6}  {answer}")
+            f"{cell(t['gone']):>6}  {answer(t)}")
+
+
+# The two-node servers' faults (tests/live_server/test_two_nodes.py): rank 1 on the
+# follower fails while the leader's rank 0 hangs; the follower's worker is SIGKILLed
+# (rank 0 then hangs); the leader's engine ends.
+TWO_NODE_FAULTS = ("1:start+0:hang", "kill:follower-worker+0:hang", "0:start")
+TWO_NODE_HEADER = (f"two nodes, TP=2 across them:\n{'state':8} {'fault':28} {'health':>7} {'leader':>7} "
+                   f"{'follower':>9} {'status':>7}  answer")
+
+
+def two_node_row(state: str, fault: str, t: dict) -> str:
+    """One line of the two-node table, from a TwoNodeTimeline's as_dict(): when the
+    leader's /health stopped answering 200, when each node's process exited, and the
+    follower's exit status."""
+    follower_status = "-" if t["follower_status"] is None else str(t["follower_status"])
+    return (f"{state:8} {fault:28} {cell(t['health_down']):>7} {cell(t['leader_gone']):>7} "
+            f"{cell(t['follower_gone']):>9} {follower_status:>7}  {answer(t)}")
 
 
 def print_recorded(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         recorded = [json.loads(line) for line in f]
-    for state in ("release", "patched"):
-        for fault in DEFAULT_FAULTS:
-            for entry in recorded:
-                if (entry["state"], entry["fault"], entry["layout"]) == (state, fault, "tp"):
-                    print(row(state, fault, entry["timeline"]))
+    for layout, faults, header, format_row in (
+        ("tp", DEFAULT_FAULTS, None, row),
+        ("two-nodes", TWO_NODE_FAULTS, TWO_NODE_HEADER, two_node_row),
+    ):
+        rows = [format_row(state, fault, entry["timeline"])
+                for state in ("release", "patched") for fault in faults for entry in recorded
+                if (entry["state"], entry["fault"], entry["layout"]) == (state, fault, layout)]
+        if header and rows:
+            print(header)
+        print(*rows, sep="\n")
     return 0
 
 
