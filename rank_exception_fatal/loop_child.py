@@ -223,8 +223,7 @@ def run_monitor(path: str, case: dict) -> None:
     executor = StandInExecutor(
         [types.SimpleNamespace(proc=peer), types.SimpleNamespace(proc=dying)], case.get("fault_tolerance")
     )
-    for name, method in methods.items():
-        setattr(executor, name, types.MethodType(method, executor))
+    executor.bind(methods)
     try:
         if case["monitor"] == "inline":  # as a headless node runs it: it returns when a worker died
             executor.start_worker_monitor(inline=True)

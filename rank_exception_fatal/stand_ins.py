@@ -34,6 +34,12 @@ class StandInExecutor:
         self.called_back = threading.Event()
         self.failure_callback = self.called_back.set
 
+    def bind(self, methods: dict) -> None:
+        """Make vLLM's functions (name -> function: start_worker_monitor and the methods it
+        calls on its executor) this stand-in's methods."""
+        for name, method in methods.items():
+            setattr(self, name, types.MethodType(method, self))
+
     def shutdown(self) -> None:
         self.shutdown_called = True
         self.failed_at = time.monotonic()

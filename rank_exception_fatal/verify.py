@@ -33,6 +33,7 @@ import time
 
 from .spawn import child_command
 from .outcome import OK, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN, VERIFY_NOT_FAIL_FAST
+from .loop_extract import MONITOR_METHODS
 from .stand_ins import StandInExecutor, stuck_in_a_collective
 
 FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT, CANNOT_RUN = OK, VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN
@@ -257,7 +258,9 @@ class Harness:
         for response in self.responses:
             response.wait_until_ready()
         self.executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (self.peer, self.procs[1])])
-        self.module.MultiprocExecutor.start_worker_monitor(self.executor)
+        executor_class = self.module.MultiprocExecutor
+        self.executor.bind({name: getattr(executor_class, name) for name in MONITOR_METHODS if hasattr(executor_class, name)})
+        self.executor.start_worker_monitor()
         return True
 
     def check(self, ok: bool, line: str) -> bool:
