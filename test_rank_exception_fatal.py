@@ -359,11 +359,12 @@ class TimedResponseQueue:
     until shutdown() cancels the read (0.20 on: MessageQueue.shutdown(); before: the
     executor's shutdown_event, passed as cancel). Records each read's timeout."""
 
-    def __init__(self, *replies):
+    def __init__(self, *replies, late_by=0.0):
         self.replies = list(replies)  # (seconds, (status, value))
         self.started = time.monotonic()
         self.shut_down = False
         self.timeouts = []
+        self.late_by = late_by  # how much later than its timeout a read that times out ends
 
     def dequeue(self, timeout=None, cancel=None, indefinite=False):
         self.timeouts.append(timeout)
@@ -376,6 +377,7 @@ class TimedResponseQueue:
             if self.shut_down or (cancel is not None and cancel.is_set()):
                 raise RuntimeError("cancelled")
             if time.monotonic() >= end:
+                time.sleep(self.late_by)
                 raise TimeoutError
             time.sleep(0.005)
 
@@ -390,8 +392,8 @@ class RemoteResponseQueue(TimedResponseQueue):
 
     _is_remote_reader = True
 
-    def __init__(self, *replies):
-        super().__init__(*replies)
+    def __init__(self, *replies, late_by=0.0):
+        super().__init__(*replies, late_by=late_by)
         self.connection = FakeMonitorSocket()
         self.remote_socket = types.SimpleNamespace(get_monitor_socket=lambda events: self.connection)
 
@@ -611,6 +613,18 @@ class ExecutorReadTest(unittest.TestCase):
             self.collective_rpc(executor, "execute_model", timeout=5, args=(None,), unique_reply_rank=1)
         self.assertIsInstance(raised.exception, RuntimeError, "the read waited for its timeout")
         self.assertLess(time.monotonic() - started, 2, "the read waited for its timeout")
+
+    def test_a_read_of_another_node_times_out_as_the_release_s_does(self):
+        # That read goes in slices of 0.1 s. A slice that ends late (a busy process)
+        # must not leave the next one a negative timeout: before 0.30 vLLM's
+        # MessageQueue passes it on to zmq, where a negative timeout waits for good.
+        if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
+            return
+        remote = RemoteResponseQueue(late_by=0.01)
+        executor = self.executor(TimedResponseQueue(), remote)
+        with self.assertRaises(TimeoutError):
+            self.collective_rpc(executor, "execute_model", timeout=0.105, args=(None,), unique_reply_rank=1)
+        self.assertGreaterEqual(min(remote.timeouts), 0, f"a read with a negative timeout: {remote.timeouts}")
 
     def test_a_healthy_step_reads_each_rank_once(self):
         # The release's read: one dequeue a rank with the call's deadline, never a
