@@ -33,6 +33,7 @@ import ast
 import collections
 import functools
 import inspect
+import itertools
 import os
 import sys
 import threading
@@ -384,6 +385,20 @@ class TimedResponseQueue:
     def shutdown(self):
         self.shut_down = True
 
+    def readable(self):
+        """vLLM's non-blocking check (0.34 on): raises once the queue is shut down."""
+        if self.shut_down:
+            raise RuntimeError("cancelled")
+        return bool(self.replies) and time.monotonic() - self.started >= self.replies[0][0]
+
+    def spin_until_readable(self, pending, deadline):
+        """As vLLM's: until a reply is due, pending is non-empty or the deadline; it
+        does not look at shutdown (the caller rechecks readable())."""
+        while not pending and time.monotonic() < deadline:
+            if self.replies and time.monotonic() - self.started >= self.replies[0][0]:
+                return
+            time.sleep(0.001)
+
 
 class RemoteResponseQueue(TimedResponseQueue):
     """A rank's queue read from another node, over zmq: shutdown() does not wake its read
@@ -401,7 +416,14 @@ class RemoteResponseQueue(TimedResponseQueue):
         return super().dequeue(timeout)  # nor does the executor's cancel event (0.17 and older)
 
     def shutdown(self):
-        pass
+        self.flagged = True  # MessageQueue.shutdown() sets shutting_down: readable() raises
+
+    flagged = False
+
+    def readable(self):
+        if self.flagged:
+            raise RuntimeError("cancelled")
+        return bool(self.replies) and time.monotonic() - self.started >= self.replies[0][0]
 
 
 class FakeMonitorSocket:
@@ -463,6 +485,20 @@ class StandInExecutor(types.SimpleNamespace):
     """The executor's state that collective_rpc reads; its watchers hold it by weak reference."""
 
 
+def wait_as_the_engine_does(future, spin_seconds=1.0):
+    """A step's result as EngineCoreProc._wait_for_output reads it: from 0.34.0, where the
+    future has poll() and wait_briefly(), it polls for the step's first second, waiting
+    briefly between polls, then blocks in result(); before, result() alone."""
+    poll, wait_briefly = getattr(future, "poll", None), getattr(future, "wait_briefly", None)
+    if poll is not None and wait_briefly is not None:
+        pending, deadline = [], time.monotonic() + spin_seconds
+        while not poll():
+            if time.monotonic() >= deadline:
+                break
+            wait_briefly(pending, deadline)
+    return future.result()
+
+
 class ExecutorReadTest(unittest.TestCase):
     """The executor's read of a call that every rank answers, from the file's collective_rpc."""
 
@@ -490,6 +526,9 @@ class ExecutorReadTest(unittest.TestCase):
         cls.takes_aggregator = "kv_output_aggregator" in parameters
         # Before 0.11.1 a model step was not followed by a sample_tokens of its own.
         cls.remembers_a_failed_step = "futures_queue" in source
+        # How the engine reads a step: from 0.34.0 it polls first (spins, then blocks in
+        # result() once a second has passed: spin_seconds 0 is that later read).
+        cls.engine_reads = (1.0, 0.0) if "def poll(self)" in source else (0.0,)
 
     def executor(self, *queues, fault_tolerance=False):
         parallel_config = types.SimpleNamespace(enable_fault_tolerance=fault_tolerance)
@@ -505,9 +544,13 @@ class ExecutorReadTest(unittest.TestCase):
             vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
         )
 
-    def call(self, executor, method, timeout, aggregated=True, non_block=False):
+    def call(self, executor, method, timeout, aggregated=True, non_block=False, spin_seconds=None):
         """The call's result; with non_block, a future whose result() reads it (before
-        0.11.1, where no call is sent ahead, one that makes the call then)."""
+        0.11.1, where no call is sent ahead, one that makes the call then); with
+        spin_seconds, the result read as the engine reads a step's."""
+        if spin_seconds is not None:
+            future = self.call(executor, method, timeout, aggregated, non_block=True)
+            return wait_as_the_engine_does(future, spin_seconds)
         if not self.takes_aggregator:
             reply_rank = None if aggregated else 0
             read = functools.partial(self.collective_rpc, executor, method, timeout=timeout, args=(None,),
@@ -544,15 +587,16 @@ class ExecutorReadTest(unittest.TestCase):
         # before the shutdown (async scheduling sends it ahead) and read after it.
         if not self.reads_response_mqs:
             return
-        for method in ("execute_model", "sample_tokens") if self.remembers_a_failed_step else ("execute_model",):
-            with self.subTest(method=method):
+        methods = ("execute_model", "sample_tokens") if self.remembers_a_failed_step else ("execute_model",)
+        for method, spin_seconds in itertools.product(methods, self.engine_reads):
+            with self.subTest(method=method, spin_seconds=spin_seconds):
                 executor = self.executor(*self.stuck_rank_0_failed_rank_1())
                 calls = (method, "sample_tokens") if self.remembers_a_failed_step else (method,)
                 self.shut_down_after(executor, 0.2)  # the calls below are sent well before it
                 sent = [(call, self.call(executor, call, timeout=5, non_block=True)) for call in calls]
                 for call, future in sent:
                     with self.assertRaises(Exception) as raised:
-                        future.result()
+                        wait_as_the_engine_does(future, spin_seconds)
                     self.assertIsInstance(raised.exception, RuntimeError, repr(raised.exception))
                     self.assertIn("rank 1: device out of memory", str(raised.exception), call)
 
@@ -566,8 +610,9 @@ class ExecutorReadTest(unittest.TestCase):
         watch = extract_worker_monitor(self.target).get("_watch_remote_workers")
         self.assertIsNotNone(watch, "the executor does not watch the workers on other nodes")
         failure = (ResponseStatus.FAILURE, "rank 1: device out of memory")
-        for sent, error in ((((0, failure),), "rank 1: device out of memory"), ((), None)):
-            with self.subTest(replied=bool(sent)):
+        cases = ((((0, failure),), "rank 1: device out of memory"), ((), None))
+        for (sent, error), spin_seconds in itertools.product(cases, self.engine_reads):
+            with self.subTest(replied=bool(sent), spin_seconds=spin_seconds):
                 local, remote = TimedResponseQueue(), RemoteResponseQueue(*sent)
                 executor = self.executor(local, remote)
                 killed, called_back = [], threading.Event()
@@ -588,13 +633,43 @@ class ExecutorReadTest(unittest.TestCase):
                 threading.Timer(0.2, remote.connection.drop).start()
                 started = time.monotonic()
                 with self.assertRaises(RuntimeError) as raised:
-                    self.call(executor, "execute_model", timeout=5, aggregated=False)
-                self.assertLess(time.monotonic() - started, 2, "the step waited for its timeout")
+                    self.call(executor, "execute_model", timeout=10, aggregated=False, spin_seconds=spin_seconds)
+                self.assertLess(time.monotonic() - started, 3, "the step waited for its timeout")
                 if error:
                     self.assertIn(error, str(raised.exception))
                 self.assertTrue(executor.is_failed)
                 self.assertTrue(called_back.is_set(), "the engine's failure callback")
                 self.assertEqual(killed, [0], "this node's workers are ended")
+
+    def test_a_cancelled_step_waits_once_for_all_remote_ranks(self):
+        # A step every rank answers (a KV connector's), rank 0 here stuck in the
+        # collective, ranks 1-4 on other nodes, also stuck: when shutdown() cancels the
+        # read, the later ranks' queues are read for the failure behind it. A remote
+        # read is not cancelled, so each would wait its whole timeout: the end must not
+        # grow with the number of remote ranks. And when a remote worker was lost, its
+        # reply (sent before its connection dropped) is read first.
+        if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
+            return
+        failure = (ResponseStatus.FAILURE, "rank 4: device out of memory")
+        for lost_replied, spin_seconds in itertools.product((False, True), self.engine_reads):
+            with self.subTest(lost_replied=lost_replied, spin_seconds=spin_seconds):
+                remote = [RemoteResponseQueue() for _ in range(3)]
+                remote.append(RemoteResponseQueue((0, failure)) if lost_replied else RemoteResponseQueue())
+                executor = self.executor(TimedResponseQueue(), *remote)
+                if lost_replied:
+                    executor.lost_worker_mq = remote[-1]  # as the watch of other nodes sets it
+                self.shut_down_after(executor, 0.2)
+                started = time.monotonic()
+                with self.assertRaises(RuntimeError) as raised:
+                    self.call(executor, "execute_model", timeout=30, spin_seconds=spin_seconds)
+                ended = time.monotonic() - started
+                # The engine's own spin (wait_briefly) goes on to its deadline after a cancel.
+                cancelled = max(0.2, spin_seconds)
+                if lost_replied:
+                    self.assertIn("rank 4: device out of memory", str(raised.exception))
+                    self.assertLess(ended, cancelled + 0.5, "the lost worker's reply was read after the others")
+                else:
+                    self.assertLess(ended, cancelled + 1.5, "each remote rank was waited for in turn")
 
     def test_a_read_of_another_node_ends_with_the_executor(self):
         # Pipeline parallelism across nodes puts the output rank on another node, whose
