@@ -371,32 +371,6 @@ def test_stale_bytecode_removed_by_a_user_who_cannot_mark_the_file(public_tree, 
     capfd.readouterr()
 
 
-def test_a_process_forked_after_the_fix_from_one_started_before_needs_a_restart(make_tree, server_stand_in, tmp_path,
-                                                                                capsys):
-    """A worker forked by an engine that loaded the release inherits the release's code."""
-    tree = make_tree("0.30.0")
-    trigger, child = tmp_path / "fork-now", tmp_path / "child"
-    engine = server_stand_in("/", {"PYTHONPATH": tree}, [sys.executable, "-c", (
-        "import os, sys, time\n"
-        f"while not os.path.exists({str(trigger)!r}): time.sleep(0.01)\n"
-        "pid = os.fork()\n"
-        "if pid == 0: time.sleep(600); os._exit(0)\n"
-        f"open({str(child)!r}, 'w').write(str(pid))\n"
-        "time.sleep(600)\n")])
-    assert apply.main(["--pid", str(engine)]) == 0
-    time.sleep(0.3)
-    trigger.write_text("")
-    deadline = time.monotonic() + 10
-    while not child.exists() or not child.read_text():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    worker = child.read_text()
-    capsys.readouterr()
-    assert apply.main(["--pid", worker, "--check", "--json"]) == 1
-    report = json.loads(capsys.readouterr().out)
-    assert report["state"] == "needs-restart" and f"process {worker} started at " in report["message"]
-
-
 @pytest.mark.parametrize("args, code", [
     (["--pid", "abc"], 6), (["--pid"], 6), (["--pid", "1", "--root", "/"], 6), (["--pid", "1", "--verify"], 6),
     (["--pid", "999999999"], 3),
