@@ -121,7 +121,8 @@ def path_entry_finder(location: str):
 # that Python's import system finds the executor, with sys.path[0] as the process had
 # it. It imports this package from the bundle (argv[1]) and then takes the bundle off
 # sys.path again, so that only the process's own path is searched. It prints its
-# answer as JSON: {"path": ...} or {"code": ..., "message": ...}.
+# answer as JSON: {"path": ..., "searched": [its absolute sys.path entries]} or
+# {"code": ..., "message": ...}.
 LOCATE_AS_PROCESS = """\
 import json, sys
 bundle, first = sys.argv[1:3]
@@ -132,7 +133,7 @@ del sys.path[0]
 if sys.path and sys.path[0] == "":  # -c put the working directory first; the process had its own
     sys.path[0] = first
 try:
-    print(json.dumps({"path": locate_target(None)}))
+    print(json.dumps({"path": locate_target(None), "searched": [p for p in sys.path if p.startswith("/")]}))
 except Failure as e:
     print(json.dumps({"code": e.code, "message": str(e)}))
 """
@@ -143,23 +144,28 @@ def locate_for_process(pid: str) -> Located:
     interpreter, with its environment, working directory and first sys.path entry, all
     read from /proc. A server started elsewhere, with another PYTHONPATH, or from a
     directory holding a vLLM checkout may import a copy other than this Python's."""
-    exe, cwd, environ, command = read_process(pid)
+    exe, cwd, environ, command, elsewhere = read_process(pid)
     deleted = cwd.endswith(" (deleted)")
     if deleted:  # an empty directory since removed: Python finds nothing there
         cwd = cwd[: -len(" (deleted)")]
+    if elsewhere:  # its interpreter and working directory, the same files here, before it runs here
+        sees_the_same_files(pid, [exe, cwd])
     python = interpreter_as_run(pid, exe, command, cwd, environ)
     flags, first, prefix = interpreter_view(command, cwd)
     # The removed directory is still its working directory, reached through /proc.
     run_in = f"/proc/{pid}/cwd" if deleted else cwd
-    path = ask_its_python(pid, python, flags, first or run_in, run_in, environ, cwd)
+    path, searched = ask_its_python(pid, python, flags, first or run_in, run_in, environ, cwd)
     if prefix is None and environ.get(b"PYTHONPYCACHEPREFIX") and not {"-E", "-I"} & set(flags):
         prefix = os.fsdecode(environ[b"PYTHONPYCACHEPREFIX"])
-    return Located(path, os.path.join(cwd, prefix) if prefix else None)
+    located = Located(path, os.path.join(cwd, prefix) if prefix else None)
+    if elsewhere:  # where it looks, the file, the directory a write renames into, its bytecode
+        sees_the_same_files(pid, [*searched, path, os.path.dirname(path), located.pycache_prefix])
+    return located
 
 
-def read_process(pid: str) -> tuple[str, str, dict, list[str]]:
-    """(its executable, working directory, environment, command line), from /proc; it
-    must be a Python in this mount namespace."""
+def read_process(pid: str) -> "tuple[str, str, dict, list[str], bool]":
+    """(its executable, working directory, environment, command line, whether it runs in
+    another mount namespace), from /proc; it must be a Python."""
     proc = f"/proc/{pid}"
     try:
         exe = os.readlink(f"{proc}/exe")
@@ -178,20 +184,70 @@ def read_process(pid: str) -> tuple[str, str, dict, list[str]]:
             TARGET_NOT_FOUND,
             f"process {pid} runs {exe}, not Python: give the id of one of the vLLM server's Python processes",
         )
-    if namespace != os.readlink("/proc/self/ns/mnt"):
-        # Its paths name other files than the same paths here: the host's copy would be
-        # checked, or written, in place of the container's.
+    return exe, cwd, environ, command, namespace != os.readlink("/proc/self/ns/mnt")
+
+
+def sees_the_same_files(pid: str, paths: "Sequence[str | None]") -> None:
+    """Refuse a process in another mount namespace that sees another file (or none) at any
+    of these paths than this one does. A container's paths may name other files: the
+    host's copy would be checked, or written, in place of its own. A systemd unit with
+    PrivateTmp=, ProtectSystem= and the like gets a namespace of its own too, but sees
+    the very same files at the paths that matter: compared by device and inode."""
+    for path in filter(None, paths):
+        here = stat_or_none(pid, path)
+        there = stat_or_none(pid, in_its_root(f"/proc/{pid}/root", path))
+        if here is None and there is None or here and there and os.path.samestat(here, there):
+            continue
+        seen = "is another file than here" if here and there else "does not exist (here it does)" if here else (
+            "exists (here it does not)")
         raise Failure(
             OTHER_MOUNT_NAMESPACE,
-            f"process {pid} runs in another mount namespace (a container): the files at its paths here are not"
-            " the ones it imports; nothing was checked or written. Run apply.py inside it (docker exec, kubectl"
-            " exec) with the server's Python",
+            f"process {pid} runs in another mount namespace (a container) where {path} {seen}: the files"
+            " at its paths here are not the ones it imports; nothing was checked or written. Run apply.py inside"
+            " it (docker exec, kubectl exec) with the server's Python",
         )
-    return exe, cwd, environ, command
 
 
-def ask_its_python(pid: str, python: str, flags: list[str], first: str, run_in: str, environ: dict, cwd: str) -> str:
-    """locate_target(None), run by the process's Python as the process runs (LOCATE_AS_PROCESS)."""
+def stat_or_none(pid: str, path: str) -> "os.stat_result | None":
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise Failure(
+            CANNOT_READ_OR_WRITE, f"cannot read {path} for process {pid}: {e.strerror}; run as its user or as root"
+        ) from None
+
+
+def in_its_root(root: str, path: str) -> str:
+    """The path under root (/proc/PID/root) that the process resolves path to. Walked a
+    component at a time: the kernel resolves an absolute link's target met under
+    /proc/PID/root from our root, but the process resolves it from its own."""
+    done, todo, hops = [], [part for part in reversed(path.split("/")) if part], 0
+    while todo:
+        part = todo.pop()
+        if part in (".", ".."):
+            done = done[:-1] if part == ".." else done  # no higher than its root
+            continue
+        here = "/".join([root, *done, part])
+        try:
+            is_link = os.path.islink(here) and hops < 40  # past the kernel's limit: stat says ELOOP
+            to = os.readlink(here) if is_link else ""
+        except OSError:
+            is_link = False
+        if not is_link:
+            done.append(part)
+            continue
+        hops += 1
+        done = [] if to.startswith("/") else done
+        todo += [part for part in reversed(to.split("/")) if part]
+    return "/".join([root, *done])
+
+
+def ask_its_python(pid: str, python: str, flags: "list[str]", first: str, run_in: str, environ: dict,
+                   cwd: str) -> "tuple[str, list[str]]":
+    """locate_target(None), run by the process's Python as the process runs
+    (LOCATE_AS_PROCESS), and the absolute sys.path entries it searched."""
     import json
     import subprocess
 
@@ -209,7 +265,7 @@ def ask_its_python(pid: str, python: str, flags: list[str], first: str, run_in: 
     except ValueError:
         answer = {}
     if "path" in answer:
-        return answer["path"]
+        return answer["path"], answer.get("searched", [])
     message = answer.get("message") or (found.stderr.strip().splitlines()[-1:] or [f"exit status {found.returncode}"])[0]
     code = answer.get("code") if answer.get("code") in (TARGET_NOT_FOUND, NOT_A_SOURCE_FILE) else TARGET_NOT_FOUND
     raise Failure(code, f"as process {pid} ({python}, in {cwd}) would import it: {message}")

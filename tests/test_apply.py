@@ -471,37 +471,6 @@ def test_pid_of_a_server_with_a_pycache_prefix_on_its_command_line(given, make_t
     assert apply.main(["--pid", str(pid)]) == 0 and not os.path.exists(pyc)
 
 
-def test_pid_of_a_process_in_another_mount_namespace(make_tree, tmp_path, capsys):
-    """A containerised server seen from the host: at its path here stands the host's file
-    (fixed), while the process imports its own (the release's). Refused: neither checked
-    nor written."""
-    needs_root()
-    host = make_tree("0.30.0", name="host")
-    assert apply.main(["--root", host]) == 0
-    fixed = read(target(host))
-    inside = make_tree("0.30.0", name="container")
-    script = (f"mount --bind {inside}/vllm {host}/vllm && cd / && exec {sys.executable} -c '{SLEEP}'")
-    process = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                               env={**os.environ, "PYTHONPATH": host}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 10
-        while not os.path.basename(os.readlink(f"/proc/{process.pid}/exe")).startswith("python"):
-            assert process.poll() is None and time.monotonic() < deadline, "unshare did not start"
-            time.sleep(0.01)
-        wait_until_started(process.pid)
-        assert os.readlink(f"/proc/{process.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-        capsys.readouterr()
-        for args in (["--check"], [], ["--check", "--json"]):
-            assert apply.main(["--pid", str(process.pid), *args]) == 12, args
-        report = json.loads(capsys.readouterr().out)
-        assert report["state"] == "error" and report["message"].startswith(
-            f"process {process.pid} runs in another mount namespace (a container)")
-        assert read(target(host)) == fixed and read(target(inside)) == release_bytes("0.30.0")
-    finally:
-        process.kill()
-        process.wait()
-
-
 def test_pid_of_a_process_that_is_not_python_or_not_ours(server_stand_in, public_tree, capfd):
     """Held: a non-Python process, and another user's, are refused with their own codes."""
     needs_root()

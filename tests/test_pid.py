@@ -9,12 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
 import apply
-from conftest import TARGET
+from conftest import TARGET, release_bytes
 
 SLEEP = "import time; time.sleep(600)"
 
@@ -250,3 +251,74 @@ def test_a_worker_forked_after_the_fix_is_counted_from_the_process_it_was_forked
     code, report = check(worker, capsys)
     assert (code, report["state"]) == (1, "needs-restart"), report
     assert f"process {worker} was forked (without exec) from process {engine}, which started at " in report["message"]
+
+
+# --- mount namespaces: compare the files, not the namespaces ------------------------------
+
+@pytest.fixture
+def outside_tmp():
+    """A directory that a private /tmp does not hide (PrivateTmp= hides /tmp and /var/tmp)."""
+    where = tempfile.mkdtemp(prefix="rank-exception-fatal-", dir="/dev/shm")
+    yield where
+    shutil.rmtree(where)
+
+
+def in_a_mount_namespace(start, mounts: str, env: dict) -> int:
+    """A Python server in a new mount namespace of its own, after the given mount commands
+    (as systemd sets up a sandboxed unit, or a container runtime its container)."""
+    assert shutil.which("unshare") and shutil.which("mount"), "util-linux's unshare and mount"
+    assert os.geteuid() == 0, "a mount namespace of one's own needs root; CI runs as root"
+    script = f"set -e; {mounts}; cd /; exec {sys.executable} -c '{SLEEP}'"
+    pid = start(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env)
+    wait_until_started(pid)
+    assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    return pid
+
+
+# What systemd mounts for PrivateTmp=yes, ProtectSystem=full and ProtectHome=read-only.
+SANDBOX = ("mount -t tmpfs tmpfs /tmp; mount -t tmpfs tmpfs /var/tmp;"
+           " for d in /usr /etc /root; do mount --bind $d $d; mount -o remount,bind,ro $d; done")
+
+
+def test_a_systemd_sandboxed_server_is_checked_and_fixed_as_usual(outside_tmp, start, capsys):
+    """Its own mount namespace, but the very same files at the tree's paths."""
+    tree = os.path.join(outside_tmp, "tree")
+    os.makedirs(os.path.dirname(target(tree)))
+    with open(target(tree), "wb") as f:
+        f.write(release_bytes("0.30.0"))
+    pid = in_a_mount_namespace(start, SANDBOX, {"PYTHONPATH": tree})
+    assert not os.path.samestat(os.stat(f"/proc/{pid}/root/tmp"), os.stat("/tmp")), "its own /tmp"
+    code, report = check(pid, capsys)
+    assert (code, report["state"], report["path"]) == (1, "not-applied", target(tree)), report
+    assert apply.main(["--pid", str(pid)]) == 0
+    assert read(f"/proc/{pid}/root{target(tree)}") == read(target(tree)) != release_bytes("0.30.0")
+    code, report = check(pid, capsys)
+    assert (code, report["state"]) == (1, "needs-restart"), report
+    past_the_margin()
+    code, report = check(in_a_mount_namespace(start, SANDBOX, {"PYTHONPATH": tree}), capsys)
+    assert (code, report["state"]) == (0, "applied"), report
+
+
+@pytest.mark.parametrize("over", ["the tree's vllm/", "the file alone"])
+def test_a_server_that_sees_another_file_at_the_path_is_refused(over, outside_tmp, start, capsys):
+    """A container's copy bind-mounted over the host's path: the host's file (fixed) is not
+    the one it imports (the release's); neither is checked nor written."""
+    host, inside = os.path.join(outside_tmp, "host"), os.path.join(outside_tmp, "container")
+    for tree in (host, inside):
+        os.makedirs(os.path.dirname(target(tree)))
+        with open(target(tree), "wb") as f:
+            f.write(release_bytes("0.30.0"))
+    assert apply.main(["--root", host]) == 0
+    fixed = read(target(host))
+    source, over_path = (target(inside), target(host))
+    if over == "the tree's vllm/":
+        source, over_path = f"{inside}/vllm", f"{host}/vllm"
+    pid = in_a_mount_namespace(start, f"mount -t tmpfs tmpfs /tmp; mount --bind {source} {over_path}",
+                               {"PYTHONPATH": host})
+    for args in (["--check"], []):
+        assert apply.main(["--pid", str(pid), *args]) == 12, args
+    code, report = check(pid, capsys)
+    assert (code, report["state"]) == (12, "error")
+    assert report["message"].startswith(f"process {pid} runs in another mount namespace (a container)"), report
+    assert target(host) in report["message"] or f"{host}/vllm" in report["message"], report["message"]
+    assert read(target(host)) == fixed and read(target(inside)) == release_bytes("0.30.0")
