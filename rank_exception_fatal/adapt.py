@@ -89,6 +89,10 @@ def adapt(text: str, fixes: Sequence[Fix]) -> Adaptation | None:
     (not applied), or stands in it (applied), by its own lines; None if none can."""
     import re
 
+    from .proof import undriven_reads
+
+    if undriven_reads(text):
+        return None  # the proof would not run every read: drift_reason says so
     lines = split_lines(text)
     found = []
     for fix in fixes:

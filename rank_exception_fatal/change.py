@@ -12,34 +12,28 @@ from .bytecode import bytecode_files, stale_bytecode_files
 from .decide import decide, decide_any
 from .disk import (DirectoryLock, check_writable, compile_error, leftover_temp_files, refuse_a_shared_file,
                    remove_files, replace_file)
-from .earlier import earlier_fix, release_text
+from .earlier import decide_file
 from .installed import container_note, describe, installed_distribution
 from .judged import by_behaviour
 from .locate import read_target
 from .match import rewrite, split_lines
 from .outcome import (APPLIED, APPLIED_STATE, BAD_BUNDLE, CHANGED_AFTER_WRITE, DRIFTED_STATE, ERROR_STATE, NO_ACTION,
                       NOT_APPLIED, NOT_APPLIED_STATE, OK, REVERTED, TARGET, WOULD_APPLY, Failure, Report)
-from .proof import prove
+from .proof import prove, unproven
 from .reports import bytecode_kept, drifted, settled
 from .running import mark_changed
 
 # The file as read, and what was decided of it: path (as given), its bytes and text,
 # the Decision, the Adaptation (None: the diff fits exactly), the fixes tried, and the
-# EarlierFix row if an earlier bundle's diff made it (then text is the release's text,
+# EarlierFix row (or AdaptedEarlier) if an earlier bundle's diff made it (then text is the text it was made on,
 # which that diff taken back gives, and the Decision is of that text).
 Read = namedtuple("Read", "path data text decision adaptation fixes earlier")
 
 
 def read_and_decide(path: str, fixes: Sequence, exact: bool) -> Read:
     data, text = read_target(os.path.realpath(path))
-    earlier = earlier_fix(data)
-    if earlier is not None:
-        released = release_text(earlier, text)
-        decision, adaptation = decide_any(released, fixes, exact=exact)
-        if decision.state == NOT_APPLIED_STATE:
-            return Read(path, data, released, decision, adaptation, fixes, earlier)
-    decision, adaptation = decide_any(text, fixes, exact=exact)
-    return Read(path, data, text, decision, adaptation, fixes, None)
+    earlier, text, decision, adaptation = decide_file(data, text, fixes, exact=exact)
+    return Read(path, data, text, decision, adaptation, fixes, earlier)
 
 
 def plan(read: Read, *, revert: bool, exact: bool) -> bytes | Report:
@@ -107,6 +101,9 @@ def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert
     wanted = NOT_APPLIED_STATE if revert else APPLIED_STATE
     if (read.decision.state == wanted and read.earlier is None and not leftover_temp_files(directory)
             and not stale_bytecode_files(sources, read.data, pycache_prefix)):
+        failure = None if revert or read.adaptation is None else unproven(read.data, real, read.decision, read.adaptation)
+        if failure is not None:  # the fix's lines stand, but what they do here is not proven
+            return drifted(path, read.data, read.text, fixes, reason=failure)
         return settled(read.decision, revert, read.data, [], read.adaptation)
     if read.decision.state == DRIFTED_STATE:
         judged = not (revert or exact) and by_behaviour(path, read.data, read.text, fixes, pycache_prefix, check=False)
@@ -174,13 +171,13 @@ def write(read: Read, new: bytes, sources: list[str], pycache_prefix: str | None
     if read.earlier is None:
         what = f"patches/{name}"
     elif revert:
-        what = f"patches/superseded/{read.earlier.diff} (an earlier bundle's fix)"
+        what = f"patches/{read.earlier.path} (an earlier bundle's fix)"
     else:
-        what = f"patches/{name} in place of an earlier bundle's fix (patches/superseded/{read.earlier.diff})"
+        what = f"patches/{name} in place of an earlier bundle's fix (patches/{read.earlier.path})"
     message = f"{action} {what} ({describe(installed_distribution(read.path))}){how}"
     note = container_note(real)
     message += f"; {note}" if note else ""
     if read.earlier is not None and revert:
-        name = f"superseded/{read.earlier.diff}"  # the diff taken back
+        name = read.earlier.path  # the diff taken back
     return Report(code=OK, state=NOT_APPLIED_STATE if revert else APPLIED_STATE, message=message, action=action,
                   diff=name, before=read.data, after=written, adapted=read.adaptation is not None)

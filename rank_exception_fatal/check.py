@@ -59,22 +59,25 @@ def decide_by_hash(data: bytes) -> "Decision | None":
 def check_by_the_diffs(path: str, data: bytes, text: "str | None", pycache_prefix: "str | None", *, exact: bool) -> Report:
     """A file the table does not know: parsed diffs, adaptation, an earlier bundle's fix,
     the loop probe. (Imported here: a known file, the gate's usual case, needs none of them.)"""
-    from .decide import decide_any
-    from .earlier import earlier_fix, release_text
+    from .earlier import decide_file
     from .judged import by_behaviour
     from .outcome import DRIFTED_STATE
     from .reports import drifted
 
     fixes = read_bundle()
-    earlier = earlier_fix(data)
-    if earlier is not None:  # exit 5 unless its diff gives the release back, as apply will need
-        decision, adaptation = decide_any(release_text(earlier, text), fixes, exact=exact)
-        if decision.state == NOT_APPLIED_STATE:
-            return earlier_report(data, earlier, decision, adaptation)
-    decision, adaptation = decide_any(text, fixes, exact=exact)
+    # Exit 5 if a known earlier fix's diff does not give its release back, as apply will need.
+    earlier, _, decision, adaptation = decide_file(data, text, fixes, exact=exact)
+    if earlier is not None:
+        return earlier_report(data, earlier, decision, adaptation)
     if decision.state == DRIFTED_STATE:
         judged = not exact and by_behaviour(path, data, text, fixes, pycache_prefix)
         return judged or drifted(path, data, text, fixes)
+    if decision.state == APPLIED_STATE and adaptation is not None:
+        from .proof import unproven
+
+        failure = unproven(data, path, decision, adaptation)
+        if failure is not None:  # the fix's lines stand, but what they do here is not proven
+            return drifted(path, data, text, fixes, reason=failure)
     return checked(path, data, decision, adaptation, pycache_prefix)
 
 
@@ -83,7 +86,7 @@ def earlier_report(data: bytes, earlier, decision, adaptation) -> Report:
     from .adapt import adapted_words
 
     name, how = decision.fix.name, f" ({adapted_words(adaptation)})" if adaptation is not None else ""
-    message = (f"not applied: an earlier bundle's fix (patches/superseded/{earlier.diff}); apply.py puts"
+    message = (f"not applied: an earlier bundle's fix (patches/{earlier.path}); apply.py puts"
                f" patches/{name}{how} in its place")
     return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, diff=name, before=data, after=data,
                   adapted=adaptation is not None)
@@ -106,6 +109,7 @@ def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str |
         from .adapt import adapted_words
     how = f"; {adapted_words(adaptation)}" if adapted else ""
     if decision.state == APPLIED_STATE:
+        how += "; proven by the loop test" if adapted else ""
         return Report(code=OK, state=APPLIED_STATE, message=f"applied (patches/{name}{how})", diff=name,
                       before=data, after=data, adapted=adapted)
     proof = "; apply.py proves it with the loop test before it writes" if adapted else ""

@@ -40,8 +40,8 @@ exit codes:
      every rank replies its failure (with --diff, done; with --verify, the
      installed vLLM fails fast)
   1  not applied (--check), or applied but stale bytecode would run the old code;
-     with --check --pid also: the process started before the file last changed,
-     so it still runs the code it loaded then (needs-restart)
+     with --check --pid also: the process started before the file (or a link on
+     its path) last changed, so it still runs the code it loaded then (needs-restart)
   2  source drifted: the file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
   4  cannot read, lock or write the target, or keep its owner; the file is untouched
@@ -52,8 +52,8 @@ exit codes:
   9  the target was written, then read back changed by another program: run again
  10  Python imports the executor from a compiled module or a zip, not a source file
  11  --verify: the check could not run (its harness failed before a verdict)
- 12  --pid: the process runs in another mount namespace (a container seen from
-     the host): run apply.py inside it; nothing was checked or written
+ 12  --pid: the process sees other files at its paths than here (a container
+     seen from the host): run apply.py inside it; nothing was checked or written
 """
 
 

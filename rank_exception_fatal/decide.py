@@ -9,6 +9,7 @@ from .bindings import dead_fix, rebinding
 from .bundle import Fix
 from .match import fingerprint, split_lines
 from .outcome import BAD_BUNDLE, DRIFTED_STATE, Decision, Failure
+from .proof import undriven_reads
 
 def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     """What to do with the file's text (None: not UTF-8, which no release is)."""
@@ -22,7 +23,7 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     if not matches:
         return Decision(DRIFTED_STATE, None)
     fix, state = matches[0]
-    if rebinding(text, fix) or dead_fix(text, fix):
+    if rebinding(text, fix) or dead_fix(text, fix) or undriven_reads(text):
         return Decision(DRIFTED_STATE, None)
     return Decision(state, fix)
 

@@ -24,6 +24,11 @@ def drift_reason(data: bytes, text: str | None, fixes: Sequence[Fix]) -> str:
             return f"{fix.name} fits, but {rebinding(text, fix)}"
         if fingerprint(lines, fix) and dead_fix(text, fix):
             return dead_fix(text, fix)
+    from .proof import undriven_reads, undriven_words
+
+    undriven = undriven_reads(text)
+    if undriven:
+        return undriven_words(undriven)
     return closest_difference(lines, fixes)
 
 

@@ -12,7 +12,7 @@ from .bytecode import stale_bytecode_files
 from .disk import DirectoryLock, remove_files
 from .match import find_block, fingerprint, split_lines
 from .outcome import FAILS_FAST_STATE, NOT_AFFECTED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, Report
-from .proof import EXITS, REPLIES, loop_behaviour
+from .proof import EXITS, REPLIES, loop_behaviour, undriven_reads, undriven_words
 from .reports import drifted
 
 MESSAGES = {
@@ -43,6 +43,9 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
     found = MESSAGES.get(loop_behaviour(path))
     if found is None:
         return None
+    unproven = not_judged_by_one_loop(text)
+    if unproven:
+        return drifted(path, data, text, fixes, reason=f"its loop reads {found[0]} on one node, but {unproven}")
     state, message = found
     sources = sorted({path, os.path.realpath(path)})
     stale = stale_bytecode_files(sources, data, pycache_prefix)
@@ -61,6 +64,17 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
             return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, before=data, after=data)
         message += f", removed stale bytecode {', '.join(stale)}"
     return Report(code=OK, state=state, message=message, before=data, after=data)
+
+
+def not_judged_by_one_loop(text: str) -> str | None:
+    """Why what the file's loop does on one node does not prove it, or None."""
+    if "peer_worker_response_mqs" in text:
+        # A worker that exits on its own node ends the engine there; a worker on another
+        # node must end it too, through the executor, which the probe does not run.
+        return ("its executor runs across nodes (peer_worker_response_mqs), where a failing rank's exit must also"
+                " end the engine: the behaviour probe drives one node's loop only, so it cannot judge this file")
+    undriven = undriven_reads(text)
+    return undriven_words(undriven) if undriven else None
 
 
 def other_code_runs(text: str, fixes: Sequence[Fix]) -> str | None:

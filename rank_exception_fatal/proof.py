@@ -12,6 +12,34 @@ from .outcome import TARGET
 # What behaviour() found: the loop needs nothing, in either of these ways.
 EXITS, REPLIES = "exits", "replies"
 
+# The executor's reads of a call's result that the loop test drives, as EngineCoreProc
+# calls them: FutureWrapper's result() (0.11.1 on; through wait_for_response(), from
+# 0.20.0 _wait_for_response()) and poll() / wait_briefly() (0.34.0 on). A file whose
+# future has any other method reads in a way no proof here has run.
+DRIVEN_READS = frozenset({"__init__", "result", "wait_for_response", "_wait_for_response", "poll", "wait_briefly"})
+
+
+def undriven_reads(text: str | None) -> list[str]:
+    """The methods of the file's FutureWrapper that the loop test does not drive."""
+    import ast
+
+    try:
+        module = ast.parse(text or "")
+    except (SyntaxError, ValueError):
+        return []
+    return sorted(
+        method.name
+        for node in module.body if isinstance(node, ast.ClassDef) and node.name == "FutureWrapper"
+        for method in node.body
+        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name not in DRIVEN_READS
+    )
+
+
+def undriven_words(undriven: list[str]) -> str:
+    methods = ", ".join(f"FutureWrapper.{name}()" for name in undriven)
+    return (f"its executor reads a call's result through {methods}, which the bundle's loop test does not drive:"
+            " this vLLM needs a diff of its own")
+
 
 def prove(new: bytes, real: str) -> str | None:
     """None if the bundle's loop test passes on the new text, run in a child as an
@@ -37,6 +65,17 @@ def prove(new: bytes, real: str) -> str | None:
     if verdict.get("passed"):
         return None
     return "the loop test fails on the result: " + (", ".join(verdict.get("failed") or []) or "no test ran")
+
+
+def unproven(data: bytes, path: str, decision, adaptation) -> str | None:
+    """For a file whose fix stands adapted (written by apply.py, which proved it then, or
+    placed by hand): None if the loop test passes on it now, else why it does not."""
+    from .adapt import adapted_words
+
+    failure = prove(data, os.path.realpath(path))
+    if failure is None:
+        return None
+    return f"patches/{decision.fix.name} stands, {adapted_words(adaptation)}; but {failure}"
 
 
 def loop_behaviour(path: str) -> str | None:

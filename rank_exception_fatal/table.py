@@ -118,6 +118,11 @@ class EarlierFix:
     def __repr__(self) -> str:
         return f"EarlierFix({self.version!r}, {self.diff!r})"
 
+    @property
+    def path(self) -> str:
+        """The earlier diff, under patches/."""
+        return f"superseded/{self.diff}"
+
 
 def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequence[str] | None" = None, *,
                        sealed: bool = True) -> dict[str, EarlierFix]:
