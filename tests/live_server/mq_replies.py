@@ -3,6 +3,7 @@ executor file's own code. Test-only; run with the Python of a vLLM install:
 
     python mq_replies.py EXECUTOR_FILE steps     # the executor's read of many steps
     python mq_replies.py EXECUTOR_FILE flush     # what a failing worker owes, before it exits
+    python mq_replies.py EXECUTOR_FILE cancelled # a cancelled step with ranks on other nodes
 
 EXECUTOR_FILE is a multiproc_executor.py of that install's release (the release's own, or
 fixed by apply.py), loaded in place of the package's. Each mode prints one JSON line.
@@ -195,8 +196,66 @@ def flush(module) -> dict:
     return {"cases": cases}
 
 
+def paired(local: bool):
+    """(writer, reader) of one rank's response queue, both in this process: read through
+    shared memory (a rank on this node), or over TCP on 127.0.0.1 (a rank on another)."""
+    writer = MessageQueue(1, 1) if local else MessageQueue(1, 0, connect_ip="127.0.0.1")
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0 if local else 1)
+    ready = threading.Thread(target=writer.wait_until_ready)
+    ready.start()
+    reader.wait_until_ready()
+    ready.join()
+    return writer, reader
+
+
+def cancelled(module) -> dict:
+    """A step every rank answers (a KV connector's), rank 0 on this node and ranks 1-4 on
+    others, all stuck (nothing written): shutdown() cancels the read 0.2 s in, as the
+    worker monitor does. "none": no rank replied; "lost": rank 4's worker replied its
+    failure before its connection dropped (the executor's lost_worker_mq). Each: the
+    seconds from the cancel to the step's end, and its error."""
+    result = {}
+    for case in ("none", "lost"):
+        pairs = [paired(local=rank == 0) for rank in range(5)]
+        writers, readers = [w for w, _ in pairs], [r for _, r in pairs]
+        if case == "lost":
+            writers[4].enqueue((module.WorkerProc.ResponseStatus.FAILURE, "rank 4: device out of memory"))
+        parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
+        executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
+        executor.__dict__.update(
+            rpc_broadcast_mq=types.SimpleNamespace(enqueue=lambda request: None),
+            response_mqs=readers,
+            is_failed=False,
+            shutdown_event=threading.Event(),
+            futures_queue=deque(),
+            parallel_config=parallel_config,
+            vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
+        )
+        if case == "lost":
+            executor.lost_worker_mq = readers[4]
+        cancel_at = []
+
+        def shut_down():  # what shutdown() does to the engine's read
+            time.sleep(0.2)
+            cancel_at.append(time.monotonic())
+            executor.shutting_down = True
+            executor.shutdown_event.set()
+            for mq in readers:
+                mq.shutdown()
+
+        threading.Thread(target=shut_down, daemon=True).start()
+        try:
+            executor.collective_rpc("execute_model", timeout=30, args=(None,), unique_reply_rank=0,
+                                    kv_output_aggregator=AllRanks())
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        result[case] = {"seconds": round(time.monotonic() - cancel_at[0], 2), "error": error}
+    return result
+
+
 if __name__ == "__main__":
     executor_file, mode = sys.argv[1:3]
     module = load_executor(executor_file)
-    print(json.dumps({"steps": steps, "flush": flush}[mode](module)), flush=True)
+    print(json.dumps({"steps": steps, "flush": flush, "cancelled": cancelled}[mode](module)), flush=True)
     os._exit(0)  # the queues' zmq contexts would hold a normal exit

@@ -83,3 +83,16 @@ def test_a_failing_rank_sends_what_it_owes_before_it_exits(install):
         assert outcome == {"case": json.loads(case), "exit": 1, "replies": expected}, outcome
         # The release: the failure is dropped (output rank 0) and the rank serves on.
         assert release[case]["exit"] != 1 and release[case]["replies"][0] == LARGE_REPLY, release[case]
+
+
+def test_a_cancelled_step_waits_once_for_all_remote_ranks(install):
+    # Rank 0 here and ranks 1-4 on other nodes (TCP queues), all stuck, when shutdown()
+    # cancels the step: a remote read is not cancelled, and the fix's earlier form read
+    # each later rank for 1 s (4.0 s here with four), while the engine stayed up. One
+    # shared second now; and a lost worker's reply, there before its connection dropped,
+    # is read first. The release ends at once, with 'cancelled' and no worker's error.
+    python, files = install
+    release, fixed = run(python, files["release"], "cancelled"), run(python, files["fixed"], "cancelled")
+    assert release["none"] == release["lost"] == {"seconds": 0.0, "error": "RuntimeError: cancelled"}, release
+    assert fixed["none"]["error"] == "RuntimeError: cancelled" and fixed["none"]["seconds"] < 1.5, fixed
+    assert "rank 4: device out of memory" in fixed["lost"]["error"] and fixed["lost"]["seconds"] < 0.5, fixed
