@@ -105,9 +105,13 @@ def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str |
             )
             return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, diff=name, before=data, after=data)
     adapted = adaptation is not None
-    if adapted:
+    how = ""
+    if adapted:  # a build between releases, or a release the table does not reach yet: name it
         from .adapt import adapted_words
-    how = f"; {adapted_words(adaptation)}" if adapted else ""
+        from .installed import describe, installed_distribution, newer_words
+
+        distribution = installed_distribution(path)
+        how = f"; {adapted_words(adaptation)}" + (f"; {describe(distribution)}" if newer_words(distribution) else "")
     if decision.state == APPLIED_STATE:
         how += "; proven by the loop test" if adapted else ""
         return Report(code=OK, state=APPLIED_STATE, message=f"applied (patches/{name}{how})", diff=name,

@@ -106,7 +106,42 @@ def read_metadata(directory: str) -> dict[str, str]:
 
 
 def describe(distribution: Distribution | None) -> str:
-    return f"{distribution.name} {distribution.version}" if distribution else "version unknown"
+    """The distribution and version; for a release newer than the bundle's table, says so."""
+    if not distribution:
+        return "version unknown"
+    newer = newer_words(distribution)
+    return f"{distribution.name} {distribution.version}{f', {newer}' if newer else ''}"
+
+
+def newer_words(distribution: Distribution | None) -> str | None:
+    """"newer than this bundle's table (to X)" for a release the table does not reach yet."""
+    newest = newest_release()
+    if distribution and is_newer(distribution.version, newest):
+        return f"newer than this bundle's table (to {newest})"
+    return None
+
+
+def newest_release() -> str | None:
+    """The newest release in releases/releases.tsv (its last row), or None if unreadable."""
+    from .bundle import read_table_text
+    from .table import read_releases
+
+    try:
+        return list(read_releases(read_table_text()))[-1]
+    except Exception:  # a damaged table is reported where it is read for a decision
+        return None
+
+
+def is_newer(version: str, newest: str | None) -> bool:
+    """Whether version's release part (X.Y.Z of X.Y.Z.postN, X.Y.Zrc1, X.Y.Z+cpu, a
+    dev build of X.Y.Z's successor...) is above the newest release's."""
+    import re
+
+    def release_part(text: str) -> tuple[int, ...]:
+        match = re.match(r"\d+(?:\.\d+)*", text)
+        return tuple(int(n) for n in match.group().split(".")) if match else ()
+
+    return newest is not None and release_part(version)[:3] > release_part(newest)[:3]
 
 
 def container_note(path: str, root: str = "/") -> str | None:

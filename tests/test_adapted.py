@@ -142,3 +142,26 @@ def test_a_read_no_proof_drives_is_drift(make_tree):
         assert (code, report["state"]) == (2, "drifted"), (args, report)
         assert "FutureWrapper.poll_nowait()" in report["message"], report
         assert read(os.path.join(root, TARGET)) == later, "nothing written"
+
+
+def test_a_release_newer_than_the_table_is_named_and_proven(tmp_path):
+    # A vLLM the table does not reach yet, as pip installs it (its dist-info beside
+    # vllm/), whose worker loop differs from NEW's in one line: the nearest diff is placed
+    # by its own lines. The gate names that release as newer than the table, and
+    # says the fix is proven: by apply before it writes, by itself once it stands.
+    root = tmp_path / "site-packages"
+    (root / TARGET).parent.mkdir(parents=True)
+    data = release_bytes(NEW).replace(b"output = func(*args, **kwargs)", b"output = func(*args, **dict(kwargs))", 1)
+    assert data != release_bytes(NEW)
+    write(str(root / TARGET), data)
+    info = root / "vllm-9.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 9.1.0\n")
+    (info / "RECORD").write_text(f"{TARGET},sha256=x,{len(data)}\n")
+    newer = f"vllm 9.1.0, newer than this bundle's table (to {list(TABLE_ROWS)[-1]})"
+    code, report = run(APPLY, str(root), "--check")
+    assert (code, report["adapted"]) == (1, True) and newer in report["message"], report
+    assert "apply.py proves it with the loop test before it writes" in report["message"], report
+    assert run(APPLY, str(root))[0] == 0
+    code, report = run(APPLY, str(root), "--check")
+    assert code == 0 and newer in report["message"] and "proven by the loop test" in report["message"], report
