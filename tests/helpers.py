@@ -12,6 +12,16 @@ APPLY = os.path.join(BUNDLE, "apply.py")
 INPUTS = os.path.join(TESTS, "inputs")  # test inputs that CI cannot fetch (made from files it can)
 
 
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def run_apply(*args: str, python: str | None = None, **kwargs) -> subprocess.CompletedProcess:
     """apply.py in a child, with this Python; or, given the Python of a vLLM install, as
     an operator runs it on a node: from /, on the vllm that Python imports, not a tree

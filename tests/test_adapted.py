@@ -13,7 +13,7 @@ import sys
 
 from conftest import TARGET, release_bytes
 from fetch_release import TABLE_ROWS
-from helpers import APPLY, BUNDLE
+from helpers import APPLY, BUNDLE, read, write
 from rank_exception_fatal import bundle
 from rank_exception_fatal.adapt import narrowed
 from rank_exception_fatal.match import rewrite, split_lines
@@ -25,16 +25,6 @@ BUNDLE_PARTS = ("apply.py", "rank_exception_fatal", "patches", "releases", "test
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def run(apply_py: str, root: str, *args: str) -> tuple[int, dict]:

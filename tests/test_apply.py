@@ -24,23 +24,13 @@ import apply
 import fetch_release
 from rank_exception_fatal import bundle, bytecode, change, disk, installed, match, running, seal, table
 from conftest import TARGET, release_bytes
-from helpers import APPLY, BUNDLE, INPUTS, run_apply, run_loop_test
+from helpers import APPLY, BUNDLE, INPUTS, read, run_apply, run_loop_test, write
 
 SHAPES = ("0.26.0", "0.30.0", "0.33.0")
 
 
 def target(root: str) -> str:
     return os.path.join(root, TARGET)
-
-
-def read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def patched_bytes(version: str, tmp_path) -> bytes:

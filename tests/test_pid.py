@@ -16,17 +16,13 @@ import pytest
 
 import apply
 from conftest import TARGET, release_bytes
+from helpers import read
 
 SLEEP = "import time; time.sleep(600)"
 
 
 def target(root: str) -> str:
     return os.path.join(root, TARGET)
-
-
-def read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 @pytest.fixture(autouse=True)

@@ -86,6 +86,22 @@ class AllRanks:
         return list(outputs)
 
 
+def executor_reading(module, broadcast, response_mqs):
+    """The file's MultiprocExecutor with just what collective_rpc reads (fault tolerance off)."""
+    parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
+    executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
+    executor.__dict__.update(
+        rpc_broadcast_mq=broadcast,
+        response_mqs=response_mqs,
+        is_failed=False,
+        shutdown_event=threading.Event(),
+        futures_queue=deque(),
+        parallel_config=parallel_config,
+        vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
+    )
+    return executor
+
+
 def steps(module) -> dict:
     context = multiprocessing.get_context("fork")
     broadcast = MessageQueue(2, 2)
@@ -99,17 +115,7 @@ def steps(module) -> dict:
     broadcast.wait_until_ready()
     for mq in response_mqs:
         mq.wait_until_ready()
-    parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
-    executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
-    executor.__dict__.update(
-        rpc_broadcast_mq=broadcast,
-        response_mqs=response_mqs,
-        is_failed=False,
-        shutdown_event=threading.Event(),
-        futures_queue=deque(),
-        parallel_config=parallel_config,
-        vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
-    )
+    executor = executor_reading(module, broadcast, response_mqs)
     read, errors = 0, []
     try:
         for _ in range(STEPS):
@@ -220,17 +226,7 @@ def cancelled(module) -> dict:
         writers, readers = [w for w, _ in pairs], [r for _, r in pairs]
         if case == "lost":
             writers[4].enqueue((module.WorkerProc.ResponseStatus.FAILURE, "rank 4: device out of memory"))
-        parallel_config = types.SimpleNamespace(enable_fault_tolerance=False)
-        executor = module.MultiprocExecutor.__new__(module.MultiprocExecutor)
-        executor.__dict__.update(
-            rpc_broadcast_mq=types.SimpleNamespace(enqueue=lambda request: None),
-            response_mqs=readers,
-            is_failed=False,
-            shutdown_event=threading.Event(),
-            futures_queue=deque(),
-            parallel_config=parallel_config,
-            vllm_config=types.SimpleNamespace(parallel_config=parallel_config),
-        )
+        executor = executor_reading(module, types.SimpleNamespace(enqueue=lambda request: None), readers)
         if case == "lost":
             executor.lost_worker_mq = readers[4]
         cancel_at = []
