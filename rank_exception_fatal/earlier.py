@@ -89,9 +89,9 @@ class AdaptedEarlier:
 
 def adapted_earlier(text: str, fixes: Sequence[Fix], *, exact: bool):
     """(AdaptedEarlier, the text before it, Decision, Adaptation) for a file in which an
-    earlier bundle's change stands by its own lines, placed where no release's functions
-    are (that bundle adapted it), and whose text before it today's bundle fixes otherwise:
-    a diff of its own, or another placement. Proof that the text before is the one the
+    earlier bundle's change stands by its own lines (that bundle adapted it to a file no
+    diff fitted), and whose text before it today's bundle fixes otherwise: with a diff of
+    its own, or placed otherwise. Proof that the text before is the one the
     earlier change was made on: placing that change on it again gives the file byte for
     byte. With exact, only where the text before is a release's file, byte for byte.
     None for any other file, today's adapted fix among them."""
@@ -99,14 +99,17 @@ def adapted_earlier(text: str, fixes: Sequence[Fix], *, exact: bool):
     from .decide import decide_any
 
     lines = split_lines(text)
-    releases = {release.sha256 for release in read_releases(read_table_text()).values()}
+    # Read only under --exact: the table was read and checked just before (earlier_fix).
+    releases = {release.sha256 for release in read_releases(read_table_text()).values()} if exact else set()
     seen = set()
     for path, fix in candidate_fixes(fixes):
         narrow, _ = narrowed(fix)
         key = tuple((tuple(h.before), tuple(h.after)) for h in narrow.hunks)
-        if key in seen or fingerprint(lines, narrow) != APPLIED_STATE:
-            continue
+        if key in seen:
+            continue  # many diffs of the history narrow to the same lines
         seen.add(key)
+        if fingerprint(lines, narrow) != APPLIED_STATE:
+            continue
         before = rewrite(lines, narrow, revert=True)
         if rewrite(split_lines(before), narrow) != text:
             continue
