@@ -19,7 +19,7 @@ import time
 import pytest
 
 import apply
-from helpers import APPLY, process_stat, run_apply
+from helpers import APPLY, process_stat, read, run_apply, write
 from conftest import BUNDLE, TARGET, release_bytes
 from fetch_release import cache_dir
 from live_server.server import shm_left, with_private_shm
@@ -70,8 +70,7 @@ def installed_file_of(python: str, distribution: str, version: str, diff: str) -
 
 
 def assert_the_wheels_bytes(installed_file: str, version: str) -> None:
-    with open(installed_file, "rb") as f:
-        assert f.read() == release_bytes(version), "the installed file is the wheel's"
+    assert read(installed_file) == release_bytes(version), "the installed file is the wheel's"
 
 
 def assert_fails_fast(after: subprocess.CompletedProcess, left: list[str]) -> None:
@@ -168,10 +167,8 @@ def test_an_earlier_bundles_adapted_fix_on_the_real_install_is_upgraded(tmp_path
         # Never leave the cached install with the earlier bundle's fix in it (today's
         # --revert knows that fix; the wheel's bytes if it did not get that far).
         run_apply("--revert", python=python)
-        with open(installed_file, "rb") as f:
-            if f.read() != release_bytes("0.34.0"):
-                with open(installed_file, "wb") as f:
-                    f.write(release_bytes("0.34.0"))
+        if read(installed_file) != release_bytes("0.34.0"):
+            write(installed_file, release_bytes("0.34.0"))
     steps.report()
 
 
