@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from conftest import release_bytes  # noqa: E402
 from fetch_release import TARGET  # noqa: E402
 from helpers import APPLY  # noqa: E402
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION, ours_in_tmp, record  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION, record  # noqa: E402
 from live_server.ray_cluster import EXECUTE_MODEL_TIMEOUT_SECONDS, RayCluster, fault_on_a_ray_server, ray_bin  # noqa: E402
 from live_server.server import make_model, shm_left_but_the_cpu_communicator  # noqa: E402
 
@@ -59,8 +58,9 @@ MQ_SHM_PREFIX = "psm_"
 @pytest.fixture(scope="module")
 def ray_cluster():
     """(the cluster, {"release": file, "patched": file}, the tiny model); the cluster and
-    everything this module put in /tmp are gone after."""
-    tmp_before = ours_in_tmp()
+    everything this module put in /tmp are gone after. Only this module's own /tmp
+    entries are judged (its work directory and Ray's session directory): a run of other
+    tests beside it makes rank-exception-fatal-* directories of its own meanwhile."""
     with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
         model = os.path.join(work, "model")
         make_model(PYTHON, model)
@@ -83,7 +83,8 @@ def ray_cluster():
             cluster.stop()
         for node in cluster.nodes:
             assert node.members() == [], f"ray node {node.name} left: {node.members()}"
-    assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
+    assert not os.path.exists(cluster.temp), f"Ray's session directory is left: {cluster.temp}"
+    assert not os.path.exists(work), work
 
 
 def run(ray_cluster, state: str, fault: str):
