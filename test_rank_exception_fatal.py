@@ -49,8 +49,9 @@ from rank_exception_fatal.loop_cases import run_case  # noqa: E402
 from rank_exception_fatal.loop_child import CASE_TIMEOUT_SECONDS  # noqa: E402
 from rank_exception_fatal.loop_extract import (ResponseStatus, extract_collective_rpc,  # noqa: E402
                                                extract_worker_monitor,
-                                               fault_tolerance_statements, has_sample_tokens,
-                                               release_has_fault_tolerance, uses_rank0_only, worker_proc_class)
+                                               fault_tolerance_statements, future_reads, handle_fields,
+                                               has_sample_tokens, release_has_fault_tolerance,
+                                               runs_across_nodes, uses_rank0_only, worker_proc_class)
 from rank_exception_fatal.outcome import TARGET, Failure  # noqa: E402
 
 
@@ -80,7 +81,7 @@ class WorkerLoopTest(unittest.TestCase):
         if not os.path.isfile(target):
             raise AssertionError(f"{target} does not exist (GAUDI_FIXES_ROOT points elsewhere?)")
         cls.target = target
-        with open(target, encoding="utf-8") as f:
+        with open(target, encoding="utf-8-sig") as f:
             cls.worker_proc = worker_proc_class(ast.parse(f.read()))
         # A call answered by one rank other than 0, where the release can say so.
         cls.other_output_rank = 0 if uses_rank0_only(cls.worker_proc) else 1
@@ -350,8 +351,8 @@ class WorkerLoopTest(unittest.TestCase):
 
 def runs_on_several_nodes(path: str) -> bool:
     """Whether the release runs its executor across nodes (--nnodes, 0.11.1 on)."""
-    with open(path, encoding="utf-8") as f:
-        return "peer_worker_response_mqs" in f.read()
+    with open(path, encoding="utf-8-sig") as f:
+        return runs_across_nodes(f.read())
 
 
 class TimedResponseQueue:
@@ -508,7 +509,7 @@ class ExecutorReadTest(unittest.TestCase):
         if target is None:
             raise unittest.SkipTest("no vLLM to test: set GAUDI_FIXES_ROOT or install vllm")
         cls.target = target
-        with open(target, encoding="utf-8") as f:
+        with open(target, encoding="utf-8-sig") as f:
             source = f.read()
         # From 0.11.1 one get_response() closure reads every reply, from the executor's
         # response_mqs (from its workers' queues on upstream main of 2025-11, vllm-tpu
@@ -528,7 +529,7 @@ class ExecutorReadTest(unittest.TestCase):
         cls.remembers_a_failed_step = "futures_queue" in source
         # How the engine reads a step: from 0.34.0 it polls first (spins, then blocks in
         # result() once a second has passed: spin_seconds 0 is that later read).
-        cls.engine_reads = (1.0, 0.0) if "def poll(self)" in source else (0.0,)
+        cls.engine_reads = (1.0, 0.0) if "poll" in future_reads(ast.parse(source)) else (0.0,)
 
     def executor(self, *queues, fault_tolerance=False):
         parallel_config = types.SimpleNamespace(enable_fault_tolerance=fault_tolerance)
@@ -641,6 +642,23 @@ class ExecutorReadTest(unittest.TestCase):
                 self.assertTrue(called_back.is_set(), "the engine's failure callback")
                 self.assertEqual(killed, [0], "this node's workers are ended")
 
+    def test_the_watch_of_other_nodes_reads_fields_the_worker_handle_has(self):
+        # The watch finds the workers of other nodes by a field of the executor's worker
+        # handles, which the fix's hunks do not carry: a file whose handle names it
+        # otherwise would silently watch nothing.
+        if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
+            return
+        with open(self.target, encoding="utf-8-sig") as f:
+            tree = ast.parse(f.read())
+        watch = next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                      and node.name == "_watch_remote_workers"), None)
+        self.assertIsNotNone(watch, "the executor does not watch the workers on other nodes")
+        read = {call.args[1].value for call in ast.walk(watch) if isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Name) and call.func.id == "getattr" and len(call.args) > 1
+                and isinstance(call.args[1], ast.Constant) and ast.unparse(call.args[0]) == "self.workers[0]"}
+        self.assertTrue(read, "the watch reads no field of the worker handles")
+        self.assertLessEqual(read, handle_fields(tree), "fields the watch reads that WorkerProcHandle lacks")
+
     def test_a_cancelled_step_waits_once_for_all_remote_ranks(self):
         # A step every rank answers (a KV connector's), rank 0 here stuck in the
         # collective, ranks 1-4 on other nodes, also stuck: when shutdown() cancels the
@@ -651,8 +669,9 @@ class ExecutorReadTest(unittest.TestCase):
         if not self.reads_response_mqs or not runs_on_several_nodes(self.target):
             return
         failure = (ResponseStatus.FAILURE, "rank 4: device out of memory")
-        for lost_replied, spin_seconds in itertools.product((False, True), self.engine_reads):
-            with self.subTest(lost_replied=lost_replied, spin_seconds=spin_seconds):
+        spin_seconds = 0.0  # the poll read ends in the same get_response(): the tests above drive it
+        for lost_replied in (False, True):
+            with self.subTest(lost_replied=lost_replied):
                 remote = [RemoteResponseQueue() for _ in range(3)]
                 remote.append(RemoteResponseQueue((0, failure)) if lost_replied else RemoteResponseQueue())
                 executor = self.executor(TimedResponseQueue(), *remote)

@@ -120,3 +120,14 @@ def dotted(node) -> str | None:
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         return f"{node.value.id}.{node.attr}"
     return None
+
+
+def bound_names(item) -> list[str]:
+    """The names a statement of a class body binds."""
+    import ast
+
+    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [item.name]
+    targets = item.targets if isinstance(item, ast.Assign) else (
+        [item.target] if isinstance(item, (ast.AnnAssign, ast.AugAssign)) else [])
+    return [name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)]

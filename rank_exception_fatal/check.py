@@ -72,13 +72,17 @@ def check_by_the_diffs(path: str, data: bytes, text: "str | None", pycache_prefi
     if decision.state == DRIFTED_STATE:
         judged = not exact and by_behaviour(path, data, text, fixes, pycache_prefix)
         return judged or drifted(path, data, text, fixes)
-    if decision.state == APPLIED_STATE and adaptation is not None:
-        from .proof import unproven
+    from .proof import known_file, unproven
 
+    # A file the table does not know (a build, a release newer than the table, a vendor's)
+    # where a diff's functions stand, exactly or adapted, is no proof that the rest of it
+    # reads as the release does: 0 only once the loop test passes on it.
+    unknown = not known_file(data)
+    if decision.state == APPLIED_STATE and unknown:
         failure = unproven(data, path, decision, adaptation)
-        if failure is not None:  # the fix's lines stand, but what they do here is not proven
+        if failure is not None:
             return drifted(path, data, text, fixes, reason=failure)
-    return checked(path, data, decision, adaptation, pycache_prefix)
+    return checked(path, data, decision, adaptation, pycache_prefix, unknown=unknown)
 
 
 def earlier_report(data: bytes, earlier, decision, adaptation) -> Report:
@@ -92,8 +96,10 @@ def earlier_report(data: bytes, earlier, decision, adaptation) -> Report:
                   adapted=adaptation is not None)
 
 
-def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str | None") -> Report:
-    """0 applied (1 if stale bytecode of the release would run instead), 1 not applied."""
+def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str | None", *, unknown: bool = False) -> Report:
+    """0 applied (1 if stale bytecode of the release would run instead), 1 not applied.
+    unknown: a file the table does not know, proven by the loop test if applied, and
+    to be proven before apply writes it if not."""
     name = decision.fix.name
     if decision.state == APPLIED_STATE:
         from .bytecode import stale_bytecode_files  # here: a file not applied has no stale bytecode to find
@@ -113,9 +119,9 @@ def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str |
         distribution = installed_distribution(path)
         how = f"; {adapted_words(adaptation)}" + (f"; {describe(distribution)}" if newer_words(distribution) else "")
     if decision.state == APPLIED_STATE:
-        how += "; proven by the loop test" if adapted else ""
+        how += "; proven by the loop test" if unknown else ""
         return Report(code=OK, state=APPLIED_STATE, message=f"applied (patches/{name}{how})", diff=name,
                       before=data, after=data, adapted=adapted)
-    proof = "; apply.py proves it with the loop test before it writes" if adapted else ""
+    proof = "; apply.py proves it with the loop test before it writes" if unknown else ""
     return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=f"not applied (patches/{name} fits{how}{proof})",
                   diff=name, before=data, after=data, adapted=adapted)

@@ -131,6 +131,11 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         report = run(args, located)
     except Failure as e:
         report = Report(code=e.code, state=ERROR_STATE, message=str(e))
+    except (RecursionError, MemoryError) as e:  # a file nested past what Python's parser takes
+        from .outcome import DRIFTED, DRIFTED_STATE
+
+        report = Report(code=DRIFTED, state=DRIFTED_STATE,
+                        message=f"source drifted: {path} cannot be read as Python ({type(e).__name__}); nothing was written")
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM or SIGHUP during --verify (after its clean-up)
         return 128 + getattr(e, "signum", 2)
     if args.json:

@@ -68,7 +68,9 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
 
 def not_judged_by_one_loop(text: str) -> str | None:
     """Why what the file's loop does on one node does not prove it, or None."""
-    if "peer_worker_response_mqs" in text:
+    from .loop_extract import runs_across_nodes
+
+    if runs_across_nodes(text):
         # A worker that exits on its own node ends the engine there; a worker on another
         # node must end it too, through the executor, which the probe does not run.
         return ("its executor runs across nodes (peer_worker_response_mqs), where a failing rank's exit must also"

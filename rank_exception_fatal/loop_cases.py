@@ -157,7 +157,7 @@ def behaviour(target: str) -> str:
     __init__ sets a switch the loop reads from something other than fault tolerance.
     apply.py asks this of a file that no diff fits, in a child (children.py: behaviour)."""
     try:
-        with open(target, encoding="utf-8") as f:
+        with open(target, encoding="utf-8-sig") as f:
             text = f.read()
         cls = worker_proc_class(ast.parse(text))
         prepared = prepare(target)

@@ -145,7 +145,7 @@ class UnknownSwitch(Exception):
 def prepare(path: str):
     """The stand-in WorkerProc class, the file's class and what __init__ sets plainly;
     raises UnknownSwitch for a class whose loop reads a switch of unknown value."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         tree = ast.parse(f.read(), filename=path)
     plain, unknown = init_settings(tree, worker_proc_class(tree))
     if unknown:

@@ -15,7 +15,7 @@ import pickle
 import sys
 import types
 
-from .bindings import loop_methods
+from .bindings import bound_names, loop_methods
 
 LOGGER_NAME = "vllm.v1.executor.multiproc_executor"
 
@@ -143,15 +143,15 @@ def release_has_fault_tolerance(target: str) -> bool:
     vllm_dir = os.path.dirname(os.path.dirname(os.path.dirname(target)))
     for config in (os.path.join(vllm_dir, "config", "parallel.py"), os.path.join(vllm_dir, "config.py")):
         if os.path.isfile(config):
-            with open(config, encoding="utf-8") as f:
+            with open(config, encoding="utf-8-sig") as f:
                 return any(line.startswith("    enable_fault_tolerance") for line in f)
-    with open(target, encoding="utf-8") as f:
+    with open(target, encoding="utf-8-sig") as f:
         return "enable_fault_tolerance" in f.read()
 
 
 def has_sample_tokens(target: str) -> bool:
     """Whether the executor sends sample_tokens after execute_model (0.11.1 and later)."""
-    with open(target, encoding="utf-8") as f:
+    with open(target, encoding="utf-8-sig") as f:
         return '"sample_tokens"' in f.read()
 
 
@@ -209,7 +209,7 @@ class FakeWatchdog:
 
 def extract_worker_proc(path: str) -> tuple[type, ast.ClassDef]:
     """WorkerProc from the file, less __init__, decorators and vLLM-typed members."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         tree = ast.parse(f.read(), filename=path)
     cls = worker_proc_class(tree)
     body: list[ast.stmt] = []
@@ -253,7 +253,7 @@ MONITOR_METHODS = ("start_worker_monitor", "_watch_remote_workers")
 def extract_worker_monitor(path: str) -> dict:
     """MultiprocExecutor.start_worker_monitor from the file, and the executor's methods
     it calls that the file has (MONITOR_METHODS), as plain functions by name."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         tree = ast.parse(f.read(), filename=path)
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MultiprocExecutor"]
     functions = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in MONITOR_METHODS]
@@ -266,10 +266,28 @@ def extract_worker_monitor(path: str) -> dict:
     return {function.name: namespace[function.name] for function in functions}
 
 
+def runs_across_nodes(text: str) -> bool:
+    """Whether the file's executor runs across nodes (--nnodes, 0.11.1 on), by any of the
+    names that shape has: a vendor's file that renames one is still taken for what it is."""
+    return any(name in text for name in ("peer_worker_response_mqs", "nnodes", "node_rank"))
+
+
+def future_reads(tree: ast.Module) -> set[str]:
+    """The names FutureWrapper's class body binds (its reads of a call's result)."""
+    return {name for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "FutureWrapper"
+            for item in node.body for name in bound_names(item)}
+
+
+def handle_fields(tree: ast.Module) -> set[str]:
+    """The fields of the file's WorkerProcHandle (a dataclass)."""
+    return {item.target.id for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "WorkerProcHandle"
+            for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+
+
 def extract_collective_rpc(path: str):
     """MultiprocExecutor.collective_rpc and the FutureWrapper it returns, from the file
     (0.11.1 on, where replies come through the executor's response_mqs)."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         tree = ast.parse(f.read(), filename=path)
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MultiprocExecutor"]
     [function] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "collective_rpc"]

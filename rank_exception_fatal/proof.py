@@ -15,29 +15,62 @@ EXITS, REPLIES = "exits", "replies"
 # The executor's reads of a call's result that the loop test drives, as EngineCoreProc
 # calls them: FutureWrapper's result() (0.11.1 on; through wait_for_response(), from
 # 0.20.0 _wait_for_response()) and poll() / wait_briefly() (0.34.0 on). A file whose
-# future has any other method reads in a way no proof here has run.
+# future binds any other name reads in a way no proof here has run.
 DRIVEN_READS = frozenset({"__init__", "result", "wait_for_response", "_wait_for_response", "poll", "wait_briefly"})
+# MultiprocExecutor's methods that touch the reply queues or the future, in every release
+# and in the fix: another one is a read the loop test has not run.
+KNOWN_EXECUTOR_READS = frozenset({"_init_executor", "collective_rpc", "get_response_mqs", "shutdown",
+                                  "start_worker_monitor", "_watch_remote_workers"})
 
 
 def undriven_reads(text: str | None) -> list[str]:
-    """The methods of the file's FutureWrapper that the loop test does not drive."""
+    """The reads of a call's result the loop test does not drive: names the file's
+    FutureWrapper (or a class derived from it) binds beyond DRIVEN_READS, in its body or
+    from outside it, and MultiprocExecutor methods beyond KNOWN_EXECUTOR_READS that read
+    the reply queues."""
     import ast
+
+    from .bindings import bound_names
 
     try:
         module = ast.parse(text or "")
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return []
-    return sorted(
-        method.name
-        for node in module.body if isinstance(node, ast.ClassDef) and node.name == "FutureWrapper"
-        for method in node.body
-        if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and method.name not in DRIVEN_READS
-    )
+    futures = {"FutureWrapper"} | {
+        node.name for node in module.body if isinstance(node, ast.ClassDef)
+        and any(isinstance(base, ast.Name) and base.id == "FutureWrapper" for base in node.bases)
+    }
+    found = set()
+    for node in module.body:
+        if isinstance(node, ast.ClassDef) and node.name in futures:
+            found.update(f"{node.name}.{name}" for item in node.body for name in bound_names(item)
+                         if name not in DRIVEN_READS)
+        elif isinstance(node, ast.ClassDef) and node.name == "MultiprocExecutor":
+            found.update(f"MultiprocExecutor.{item.name}" for item in node.body
+                         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and item.name not in KNOWN_EXECUTOR_READS and reads_replies(item))
+        else:
+            for sub in ast.walk(node):  # FutureWrapper.x = ..., setattr(FutureWrapper, "x", ...)
+                targets = sub.targets if isinstance(sub, ast.Assign) else (
+                    [sub.target] if isinstance(sub, (ast.AugAssign, ast.AnnAssign)) else [])
+                found.update(f"{t.value.id}.{t.attr}" for t in targets if isinstance(t, ast.Attribute)
+                             and isinstance(t.value, ast.Name) and t.value.id in futures)
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id == "setattr"
+                        and sub.args and isinstance(sub.args[0], ast.Name) and sub.args[0].id in futures):
+                    found.add(f"{sub.args[0].id}.(setattr)")
+    return sorted(found)
+
+
+def reads_replies(function) -> bool:
+    import ast
+
+    return any((isinstance(n, ast.Attribute) and n.attr in ("response_mqs", "dequeue", "readable"))
+               or (isinstance(n, ast.Name) and n.id == "FutureWrapper") for n in ast.walk(function))
 
 
 def undriven_words(undriven: list[str]) -> str:
-    methods = ", ".join(f"FutureWrapper.{name}()" for name in undriven)
-    return (f"its executor reads a call's result through {methods}, which the bundle's loop test does not drive:"
+    reads = ", ".join(f"{name}()" for name in undriven)
+    return (f"its executor reads a call's result through {reads}, which the bundle's loop test does not drive:"
             " this vLLM needs a diff of its own")
 
 
@@ -64,18 +97,32 @@ def prove(new: bytes, real: str) -> str | None:
         return f"the loop test could not run: {problem}"
     if verdict.get("passed"):
         return None
-    return "the loop test fails on the result: " + (", ".join(verdict.get("failed") or []) or "no test ran")
+    failed = dict.fromkeys(verdict.get("failed") or [])  # a test's subtests name it again
+    return "the loop test fails on the result: " + (", ".join(failed) or "no test ran")
 
 
 def unproven(data: bytes, path: str, decision, adaptation) -> str | None:
-    """For a file whose fix stands adapted (written by apply.py, which proved it then, or
-    placed by hand): None if the loop test passes on it now, else why it does not."""
+    """For a file whose fix stands and that the release table does not know (a build, or a
+    release newer than the table; written by apply.py, which proved it then, or by hand):
+    None if the loop test passes on it now, else why it does not."""
     from .adapt import adapted_words
 
     failure = prove(data, os.path.realpath(path))
     if failure is None:
         return None
-    return f"patches/{decision.fix.name} stands, {adapted_words(adaptation)}; but {failure}"
+    how = f", {adapted_words(adaptation)}" if adaptation is not None else ""
+    return f"patches/{decision.fix.name} stands{how}; but {failure}"
+
+
+def known_file(data: bytes) -> bool:
+    """Whether the file is a release's or the one its diff makes (releases/releases.tsv),
+    byte for byte: CI proves each of those on its bytes, so a fix there needs no proof."""
+    from .bundle import read_table_text
+    from .seal import sha256_hex
+    from .table import read_releases
+
+    digest = sha256_hex(data)
+    return any(digest in (release.sha256, release.fixed_sha256) for release in read_releases(read_table_text()).values())
 
 
 def loop_behaviour(path: str) -> str | None:

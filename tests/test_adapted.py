@@ -11,11 +11,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TARGET, release_bytes
 from fetch_release import TABLE_ROWS
 from helpers import APPLY, BUNDLE, read, write
 from rank_exception_fatal import bundle
 from rank_exception_fatal.adapt import narrowed
+from rank_exception_fatal.decide import decide_any
 from rank_exception_fatal.match import rewrite, split_lines
 from rank_exception_fatal.seal import HEADER, seal
 
@@ -155,3 +158,73 @@ def test_a_release_newer_than_the_table_is_named_and_proven(tmp_path):
     assert run(APPLY, str(root))[0] == 0
     code, report = run(APPLY, str(root), "--check")
     assert code == 0 and newer in report["message"] and "proven by the loop test" in report["message"], report
+
+
+# Vendor edits of NEW outside the functions its diff carries, where that diff still fits
+# by its functions (a hostile review's findings): each reads otherwise than the release,
+# so the fit proves nothing until the loop test has run on it.
+def future_fails_with_cancelled(data: bytes) -> bytes:
+    return data.replace(b"self.set_exception(e)", b'self.set_exception(RuntimeError("cancelled"))', 1)
+
+
+def handle_field_renamed(data: bytes) -> bytes:
+    return data.replace(b"peer_worker_response_mqs", b"peer_response_mqs")
+
+
+def read_bound_outside_the_class(data: bytes) -> bytes:
+    return data + b"\n\ndef _peek(self):\n    return self.futures_queue[-1].get_response()\n\n\nFutureWrapper.peek = _peek\n"
+
+
+def read_bound_in_the_class_body(data: bytes) -> bytes:
+    marker = b"    def poll(self) -> bool:\n"
+    return data.replace(marker, b"    peek = lambda self: self.futures_queue[-1].get_response()\n\n" + marker, 1)
+
+
+def executor_reads_otherwise(data: bytes) -> bytes:
+    marker = b"    def check_health(self) -> None:\n"
+    return data.replace(marker, b"    def read_step_output_nowait(self):\n        return self.response_mqs[0].dequeue(timeout=0)\n\n"
+                        + marker, 1)
+
+
+VENDOR_EDITS = {
+    "future-fails-with-cancelled": (future_fails_with_cancelled, "the loop test fails on the result"),
+    "handle-field-renamed": (handle_field_renamed, "test_the_watch_of_other_nodes_reads_fields_the_worker_handle_has"),
+    "read-bound-outside-the-class": (read_bound_outside_the_class, "FutureWrapper.peek()"),
+    "read-bound-in-the-class-body": (read_bound_in_the_class_body, "FutureWrapper.peek()"),
+    "executor-reads-otherwise": (executor_reads_otherwise, "MultiprocExecutor.read_step_output_nowait()"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VENDOR_EDITS))
+def test_a_fit_by_the_diff_s_functions_is_proven_on_the_rest(case, make_tree):
+    edit, reason = VENDOR_EDITS[case]
+    root = make_tree(NEW)
+    data = edit(release_bytes(NEW))
+    assert data != release_bytes(NEW), "the edit took"
+    write(os.path.join(root, TARGET), data)
+    assert run(APPLY, root, "--check")[0] != 0
+    code, report = run(APPLY, root)
+    assert (code, report["state"]) == (2, "drifted") and reason in report["message"], report
+    assert read(os.path.join(root, TARGET)) == data, "nothing written"
+    if case != "future-fails-with-cancelled":
+        return  # the same paths as below, each a proof of its own (CI's time)
+    # The same file fixed by hand (the diff placed), with a write's left-over temporary
+    # file beside it: neither the gate nor apply nor --diff says 0 for it.
+    decision, adaptation = decide_any(data.decode(), bundle.read_bundle(), exact=False)
+    assert decision.fix.name == TABLE_ROWS[NEW].diff, decision
+    fixed = rewrite(split_lines(data.decode()), (adaptation or decision).fix).encode()
+    write(os.path.join(root, TARGET), fixed)
+    open(os.path.join(root, os.path.dirname(TARGET), ".rank-exception-fatal-left.tmp"), "w").close()
+    for args in (("--check",), (), ("--diff",)):
+        code, report = run(APPLY, root, *args)
+        assert (code, report["state"]) == (2, "drifted") and reason in report["message"], (args, report)
+
+
+def test_a_file_nested_past_the_parser_is_drift_in_one_line(make_tree):
+    root = make_tree(NEW)
+    data = release_bytes(NEW) + b"\n_vendor = a" + b".b" * 100000 + b"\n"
+    write(os.path.join(root, TARGET), data)
+    for args in (("--check",), ()):
+        done = subprocess.run([sys.executable, APPLY, "--root", root, *args], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot be read as Python" in done.stderr, done
+    assert read(os.path.join(root, TARGET)) == data

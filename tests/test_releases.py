@@ -208,9 +208,11 @@ def test_a_real_build_between_releases_is_fixed_and_proven(build, tmp_path, caps
     report = json.loads(capsys.readouterr().out)
     assert (report["diff"], report["adapted"]) == (build.diff, build.fits == "adapted"), report
     assert apply.main(["--root", root]) == 0
-    assert apply.main(["--root", root, "--check"]) == 0
-    patched = run_loop_test(root)
-    assert patched.returncode == 0 and re.search(r"^OK$", patched.stderr, re.M), patched.stderr
+    capsys.readouterr()
+    # The gate runs the loop test on a fixed file the table does not know, and says so.
+    assert apply.main(["--root", root, "--check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "proven by the loop test" in report["message"], report
     assert apply.main(["--root", root, "--revert"]) == 0
     with open(path, "rb") as f:
         assert f.read() == build_bytes
