@@ -218,14 +218,20 @@ def cancelled(module) -> dict:
     """A step every rank answers (a KV connector's), rank 0 on this node and ranks 1-4 on
     others, all stuck (nothing written): shutdown() cancels the read 0.2 s in, as the
     worker monitor does. "none": no rank replied; "lost": rank 4's worker replied its
-    failure before its connection dropped (the executor's lost_worker_mq). Each: the
-    seconds from the cancel to the step's end, and its error."""
+    failure before its connection dropped (the executor's lost_worker_mq); "polled" (a
+    file whose future has poll()): read as the engine reads a step, rank 1 here replied its
+    failure. Each: the seconds from the cancel to the step's end, and its error."""
     result = {}
-    for case in ("none", "lost"):
-        pairs = [paired(local=rank == 0) for rank in range(5)]
+    polls = hasattr(module.FutureWrapper, "poll")
+    for case in ("none", "lost", "polled") if polls else ("none", "lost"):
+        # polled (0.34.0 on, where the engine polls a step's future first): ranks 0 and 1
+        # on this node, rank 1 replied its failure and exited, rank 0 waits in the collective.
+        pairs = [paired(local=rank == 0 or case == "polled") for rank in range(2 if case == "polled" else 5)]
         writers, readers = [w for w, _ in pairs], [r for _, r in pairs]
         if case == "lost":
             writers[4].enqueue((module.WorkerProc.ResponseStatus.FAILURE, "rank 4: device out of memory"))
+        if case == "polled":
+            writers[1].enqueue((module.WorkerProc.ResponseStatus.FAILURE, "rank 1: device out of memory"))
         executor = executor_reading(module, types.SimpleNamespace(enqueue=lambda request: None), readers)
         if case == "lost":
             executor.lost_worker_mq = readers[4]
@@ -241,8 +247,13 @@ def cancelled(module) -> dict:
 
         threading.Thread(target=shut_down, daemon=True).start()
         try:
-            executor.collective_rpc("execute_model", timeout=30, args=(None,), unique_reply_rank=0,
-                                    kv_output_aggregator=AllRanks())
+            future = executor.collective_rpc("execute_model", timeout=30, args=(None,), unique_reply_rank=0,
+                                             kv_output_aggregator=AllRanks(), non_block=True)
+            if case == "polled":  # as EngineCoreProc._wait_for_output: poll, wait briefly, then block
+                pending, deadline = [], time.monotonic() + 1
+                while not future.poll() and time.monotonic() < deadline:
+                    future.wait_briefly(pending, deadline)
+            future.result()
             error = None
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
