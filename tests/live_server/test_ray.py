@@ -134,12 +134,13 @@ def test_rank_1_fails_while_rank_0_hangs(ray_cluster, state):
     assert_nothing_left(t)
 
 
-@pytest.mark.parametrize("state", ["release", "patched"])
-def test_rank_1_actor_killed_while_rank_0_hangs(ray_cluster, state):
-    t, log = run(ray_cluster, state, KILL)
-    assert t.killed, log
+def test_rank_1_actor_killed_while_rank_0_hangs(ray_cluster):
     # Ray's own worker monitor (RayExecutorV2.start_worker_monitor) sees the actor die,
-    # release and fixed alike: the fix's exit is not involved.
+    # release and fixed alike (docs/ray.md has the release's row, run by hand): the fix's
+    # exit is not involved, and this shows it does not stand in the way. The patched file
+    # only, for CI's time.
+    t, log = run(ray_cluster, "patched", KILL)
+    assert t.killed, log
     assert t.fix_exit is None, log
     assert t.monitor is not None, f"Ray's worker monitor did not see rank 1 die:\n{log}"
     assert t.health_down is not None and t.health_down <= HEALTH_DOWN_SECONDS[KILL], t.as_dict()
