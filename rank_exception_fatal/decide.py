@@ -11,6 +11,7 @@ from .match import fingerprint, split_lines
 from .outcome import BAD_BUNDLE, DRIFTED_STATE, Decision, Failure
 from .proof import undriven_reads
 
+
 def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     """What to do with the file's text (None: not UTF-8, which no release is)."""
     if text is None or "\0" in text:  # no release holds a NUL, and compile() refuses one
@@ -26,7 +27,6 @@ def decide(text: str | None, fixes: Sequence[Fix]) -> Decision:
     if rebinding(text, fix) or dead_fix(text, fix) or undriven_reads(text):
         return Decision(DRIFTED_STATE, None)
     return Decision(state, fix)
-
 
 
 def decide_any(text: str | None, fixes: Sequence[Fix], *, exact: bool) -> tuple[Decision, Adaptation | None]:
