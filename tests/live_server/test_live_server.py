@@ -62,8 +62,10 @@ def test_fault_on_a_live_server(installed, state, fault):
         assert t.fix_exit_line == (
             f"Rank 1 failed {method}, whose result only rank 0 returns: exiting with status 1"
         ), log
-        assert t.exit_status == "exited with status 1", t.as_dict()
         assert t.monitor is not None, t.as_dict()
+        # The fault plugin's watch of the workers (waitid, not reaping) can lose the race
+        # with the monitor, which reaps the worker; the monitor's line then gives its status.
+        assert t.exit_status == "exited with status 1" or (t.exit_status is None and t.exit_code == "1"), t.as_dict()
     # The server fails visibly: /health stops answering 200 and the process ends,
     # and no process of its group outlives it (a hung rank included).
     assert t.health_down is not None, t.as_dict()

@@ -112,6 +112,7 @@ def run_vllm_tests(tree: str, hub: str, report: str, files: list[str]) -> str:
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # "auto" refuses TP=2 on one NUMA node
         "VLLM_NO_USAGE_STATS": "1",
         "TMPDIR": os.path.join(os.path.dirname(report), "tmp"),
+        "PYTHONPATH": os.path.join(HERE, "vllm_tests", "no_amx"),  # its sitecustomize says why
     }
     os.makedirs(env["TMPDIR"], exist_ok=True)
     command = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}", *files,

@@ -51,6 +51,12 @@ def spawned_evil_forward(monkeypatch, tmp_path: Path):
     """The evil forward in workers that are spawned, not forked (the CPU and
     ROCm platforms spawn them), which a monkeypatch here does not reach."""
     lines = [
+        # This file shadows a sitecustomize further on the path (a harness's): run that too.
+        "import os",
+        "for _dir in os.environ.get('PYTHONPATH', '').split(os.pathsep)[1:]:",
+        "    if os.path.isfile(os.path.join(_dir, 'sitecustomize.py')):",
+        "        exec(open(os.path.join(_dir, 'sitecustomize.py')).read())",
+        "        break",
         "from vllm.distributed import get_tensor_model_parallel_rank",
         "from vllm.model_executor.models.llama import LlamaForCausalLM",
         inspect.getsource(evil_forward),
