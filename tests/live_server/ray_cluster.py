@@ -53,6 +53,7 @@ from live_server.server import (
     HERE,
     ORPHAN_GRACE_SECONDS,
     Server,
+    end_group,
     free_port,
     group_alive,
     group_members,
@@ -323,14 +324,7 @@ class RayServer(Server):
             while group_alive(self.proc.pid) and time.time() < deadline:
                 time.sleep(0.1)
             self.orphans = group_members(self.proc.pid)
-        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.time() + grace
-            while time.time() < deadline and group_alive(self.proc.pid):
-                time.sleep(0.1)
+        end_group(self.proc.pid)
         self._stop_polling.set()
         self.proc.wait()
         self.log.close()

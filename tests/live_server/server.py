@@ -42,6 +42,18 @@ MONITOR = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|N
 ENGINE_ERROR = re.compile(r"^\(EngineCore[^)]*\) ERROR .*\[core\.py:\d+\] (\w+(?:Error|Exception)\b.*)$", re.M)
 
 
+def end_group(pid: int) -> None:
+    """End a server's process group: SIGTERM, then SIGKILL for what outlives its grace."""
+    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + grace
+        while time.time() < deadline and group_alive(pid):
+            time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -236,14 +248,7 @@ class Server:
         if self.exited_at is not None:
             self.orphans = group_left(self.proc.pid, self.exited_at)
             self.shm_left_by_server = shm_left(self.shm_left_file)
-        for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.time() + grace
-            while time.time() < deadline and group_alive(self.proc.pid):
-                time.sleep(0.1)
+        end_group(self.proc.pid)
         self._stop_polling.set()
         self.proc.wait()
         self.log.close()
