@@ -52,6 +52,7 @@ from live_server.server import (
     FAULT_PLUGIN,
     HERE,
     ORPHAN_GRACE_SECONDS,
+    Answered,
     Server,
     end_group,
     free_port,
@@ -339,7 +340,7 @@ class RayServer(Server):
         return found
 
 
-class RayTimeline:
+class RayTimeline(Answered):
     """What one fault did, in seconds after the fault (None: did not happen)."""
 
     def __init__(self, server: RayServer, fault: str, zero: float | None, reference: str, answer,
@@ -382,13 +383,6 @@ class RayTimeline:
             name: sorted(set(after["processes"][name]) - set(before["processes"][name])) for name in after["processes"]
         }
         self.shm_left = {name: sorted(set(after["shm"][name]) - set(before["shm"][name])) for name in after["shm"]}
-
-    @property
-    def wrong_answer(self) -> bool:
-        return self.answer[0] == 200 and self.answer[1] != self.reference
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 def fault_on_a_ray_server(python: str, model: str, workdir: str, cluster: RayCluster, fault: str,

@@ -42,15 +42,15 @@ MONITOR = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+|N
 ENGINE_ERROR = re.compile(r"^\(EngineCore[^)]*\) ERROR .*\[core\.py:\d+\] (\w+(?:Error|Exception)\b.*)$", re.M)
 
 
-def end_group(pid: int) -> None:
+def end_group(pid: int, term_grace: float = 15) -> None:
     """End a server's process group: SIGTERM, then SIGKILL for what outlives its grace."""
-    for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+    for sig, grace in ((signal.SIGTERM, term_grace), (signal.SIGKILL, 10)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
             return
-        deadline = time.time() + grace
-        while time.time() < deadline and group_alive(pid):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and group_alive(pid):
             time.sleep(0.1)
 
 
@@ -336,7 +336,25 @@ class Server:
         return "".join(line for _, line in self.lines[-count:])
 
 
-class Timeline:
+class Answered:
+    """A fault's timeline that holds the request's answer and the reference one."""
+
+    answer: tuple
+    reference: str
+
+    @property
+    def wrong_answer(self) -> bool:
+        return self.answer[0] == 200 and self.answer[1] != self.reference
+
+    @property
+    def correct_answer(self) -> bool:
+        return self.answer[0] == 200 and self.answer[1] == self.reference
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class Timeline(Answered):
     """What one injected fault did, in seconds after the fault (None: did not happen)."""
 
     def __init__(self, server: Server, reference: str, answer: tuple[int | None, str], answered_at: float) -> None:
@@ -367,17 +385,6 @@ class Timeline:
         self.health_ok_until = max((s for s, status in server.health_log if status == 200), default=zero) - zero
         self.gone = None if server.exited_at is None else round(server.exited_at - zero, 3)
         self.server_status = server.proc.poll()
-
-    @property
-    def wrong_answer(self) -> bool:
-        return self.answer[0] == 200 and self.answer[1] != self.reference
-
-    @property
-    def correct_answer(self) -> bool:
-        return self.answer[0] == 200 and self.answer[1] == self.reference
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 def run_fault(server: Server, fault: str, watch_seconds: float) -> Timeline:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from server import group_alive, server_command, server_env, shm_held_by_group  # noqa: E402
+from server import end_group, server_command, server_env, shm_held_by_group  # noqa: E402
 
 
 def start(state: str, python: str, model: str, port: int) -> int:
@@ -68,14 +66,7 @@ def stop(state: str) -> None:
     except (FileNotFoundError, ValueError):
         return
     held = shm_held_by_group(pid)  # what its killed workers would leave; no other program's
-    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and group_alive(pid):
-            time.sleep(0.1)
+    end_group(pid, term_grace=30)
     for name in held:
         try:
             os.unlink(os.path.join("/dev/shm", name))

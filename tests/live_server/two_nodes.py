@@ -29,6 +29,7 @@ from live_server.server import (
     FIX_EXIT,
     MONITOR,
     STARTUP_TIMEOUT_SECONDS,
+    Answered,
     Server,
     free_port,
     serve_args,
@@ -237,7 +238,7 @@ def run_fault_on_two_nodes(nodes: TwoNodes, fault: str, watch_seconds: float, fo
                  *statuses, ended_at, killed)
 
 
-class TwoNodeTimeline:
+class TwoNodeTimeline(Answered):
     """What one fault did to the two nodes, in seconds after the fault (None: did not happen).
 
     Built once the nodes are stopped (TwoNodes.stop), so that it holds what each node
@@ -292,13 +293,6 @@ class TwoNodeTimeline:
             None if self.leader_gone is None
             else round((follower.exited_at if self.follower_gone is not None else watch.ended_at) - leader.exited_at, 3)
         )
-
-    @property
-    def wrong_answer(self) -> bool:
-        return self.answer[0] == 200 and self.answer[1] != self.reference
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
 
 
 def fault_on_two_new_nodes(python: str, model: str, workdir: str, fault: str, watch_seconds: float,
