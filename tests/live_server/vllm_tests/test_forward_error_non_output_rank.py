@@ -11,6 +11,7 @@ under MODELS' name in an offline Hugging Face cache.
 
 import inspect
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def spawned_evil_forward(monkeypatch, tmp_path: Path):
 
 
 @pytest.mark.timeout(SHUTDOWN_TEST_TIMEOUT_SEC)
-@pytest.mark.parametrize("enable_multiprocessing", [False])
+@pytest.mark.parametrize("enable_multiprocessing", [True])
 @pytest.mark.parametrize("tensor_parallel_size", [2])
 @pytest.mark.parametrize("model", MODELS)
 def test_llm_model_error_on_non_output_rank(
@@ -84,11 +85,17 @@ def test_llm_model_error_on_non_output_rank(
     """Test that LLM propagates a forward pass error on rank 1, whose result
     the executor does not read, without waiting for the RPC timeout.
 
-    Without multiprocessing the engine's own error reaches the caller."""
+    The engine runs in a process of its own, as under `vllm serve`. (In-process,
+    the engine's error reaches the caller at once too, but the global clean-up
+    then blocks in a zmq context's term() after any worker's death, a crash's
+    as much as this one's, until the test's timeout.)"""
     with monkeypatch.context() as m:
         MP_VALUE = "1" if enable_multiprocessing else "0"
         m.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", MP_VALUE)
         m.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(EXECUTE_MODEL_TIMEOUT_SEC))
+        # On a CPU the first step's torch.compile of the embedding's input mask,
+        # cold, outlasts that timeout: the step would time out before any forward.
+        m.setenv("TORCH_COMPILE_DISABLE", "1")
 
         # Monkeypatch an error in the model.
         m.setattr(LlamaForCausalLM, "forward", evil_forward)
@@ -97,6 +104,9 @@ def test_llm_model_error_on_non_output_rank(
             model=model, enforce_eager=True, tensor_parallel_size=tensor_parallel_size
         )
 
-        with pytest.raises(EngineDeadError if enable_multiprocessing else Exception) as e:
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError if enable_multiprocessing else Exception):
             llm.generate("Hello my name is Robert and I")
-        assert not isinstance(e.value, TimeoutError), "ended by the RPC timeout"
+        # The engine's death says nothing of its cause: a timed-out RPC ends it too.
+        waited = time.monotonic() - start
+        assert waited < EXECUTE_MODEL_TIMEOUT_SEC, f"ended by the RPC timeout ({waited:.1f} s)"
