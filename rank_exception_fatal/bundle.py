@@ -3,7 +3,7 @@ import os
 
 from .outcome import BAD_BUNDLE, TARGET, Failure
 from .seal import DAMAGED, HEADER, unsealed
-from .table import table_problem
+from .table import HEX_DIGITS, table_problem
 
 # Sequence is for annotations only: importing collections.abc costs the gate 2 ms.
 TYPE_CHECKING = False
@@ -125,8 +125,6 @@ def check_table(diffs: "Sequence[str]") -> None:
 # --- diff names: vX.Y.Z.diff, for a release; main-COMMIT.diff, for a shape of upstream
 # main between releases that no release has (releases/builds.tsv names its build).
 
-HEX_DIGITS = frozenset("0123456789abcdef")
-
 
 def diff_release(name: str) -> "tuple[int, ...] | None":
     """v0.11.1.diff -> (0, 11, 1); None for any other name."""
@@ -138,7 +136,7 @@ def diff_release(name: str) -> "tuple[int, ...] | None":
 def diff_commit(name: str) -> "str | None":
     """main-8fcaaf6a.diff -> "8fcaaf6a"; None for any other name."""
     commit = name[len("main-"):-len(".diff")] if name.startswith("main-") and name.endswith(".diff") else ""
-    return commit if len(commit) == 8 and set(commit) <= HEX_DIGITS else None
+    return commit if len(commit) == 8 and not commit.strip(HEX_DIGITS) else None
 
 
 def written_for(name: str) -> str:
