@@ -84,6 +84,10 @@ def ray_env(workdir: str, trigger: str) -> dict[str, str]:
         "RAY_CPU_PLATFORM": "1",
         "RANK_FAULT_TRIGGER": trigger,
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray enables token authentication when a token file is around (~/.ray/auth_token,
+        # left by any earlier Ray session of the user), and a raylet started beside it may
+        # not read it: a cluster of its own on loopback needs none.
+        "RAY_AUTH_MODE": "disabled",
         "RAY_DEDUP_LOGS": "0",  # each rank's lines reach the driver's output
         "GLOO_SOCKET_IFNAME": "lo",
         "HF_HUB_OFFLINE": "1",
