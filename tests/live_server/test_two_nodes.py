@@ -47,7 +47,7 @@ HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0}
 # Seconds from the fault to the follower's exit, fixed: "within a few seconds".
 FOLLOWER_EXIT_SECONDS = 10.0
 # Release: a request waits the RPC timeout, then the leader goes; the follower is watched after.
-WATCH_SECONDS = {"release": EXECUTE_MODEL_TIMEOUT_SECONDS + 20.0, "patched": 60.0}
+WATCH_SECONDS = {"release": EXECUTE_MODEL_TIMEOUT_SECONDS + 10.0, "patched": 60.0}
 
 
 def run(installed, state: str, fault: str):

@@ -56,9 +56,9 @@ from vllm.entrypoints.cli.main import main
 sys.exit(main())
 """
 # Short, so that a release row shows the RPC timeout in seconds (the release default is 300).
-EXECUTE_MODEL_TIMEOUT_SECONDS = 20
+EXECUTE_MODEL_TIMEOUT_SECONDS = 10
 # How long the follower is watched once the leader has exited.
-FOLLOWER_WATCH_SECONDS = {"release": 20.0, "patched": 15.0}
+FOLLOWER_WATCH_SECONDS = {"release": 10.0, "patched": 15.0}
 
 
 def children(pid: int) -> list[int]:
