@@ -72,14 +72,15 @@ RELEASE = {
 # 0.34.0 ends the engine with the output rank's own error (its runner answers the failed
 # step's sample_tokens with None, where 0.30.0's answers an empty output); rank 1's
 # failures it still loses.
+RANK_0S_OWN_ERROR = r"RuntimeError: Worker failed with error 'stand-in execute_model failed on rank 0 at step 2'.*"
 RELEASE_BY_VERSION = {
     "0.30.0": RELEASE,
     "0.34.0": {
         **RELEASE,
-        "output rank, async": r"RuntimeError: Worker failed with error 'stand-in execute_model failed on rank 0 at step 2'.*",
-        "output rank, async, aborted": r"RuntimeError: Worker failed with error 'stand-in execute_model failed on rank 0 at step 2'.*",
+        "output rank, async": RANK_0S_OWN_ERROR,
+        "output rank, async, aborted": RANK_0S_OWN_ERROR,
         "KV connector, rank 1, async": r"AssertionError: ",
-        "KV connector, rank 0, async": r"RuntimeError: Worker failed with error 'stand-in execute_model failed on rank 0 at step 2'.*",
+        "KV connector, rank 0, async": RANK_0S_OWN_ERROR,
     },
 }
 
