@@ -68,19 +68,22 @@ EXECUTE_MODEL_TIMEOUT_SECONDS = 10
 CLUSTER_START_SECONDS = 90
 # 100 MiB, Ray's floor is 75: the default (30% of memory) would map gigabytes in /dev/shm.
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
-# "(RayWorkerProc pid=123) INFO ... rank 1 in world size 2 is assigned as DP rank 0, ..."
-RANK_LINE = re.compile(r"\(RayWorkerProc pid=(\d+)[^)]*\).* rank (\d+) in world size \d+ is assigned as")
+# "(RayWorkerProc pid=123) INFO ... rank 1 in world size 2 is assigned as DP rank 0, ...";
+# RayWorkerWrapper under the legacy executor (test_ray_legacy.py).
+RANK_LINE = re.compile(r"\(RayWorker(?:Proc|Wrapper) pid=(\d+)[^)]*\).* rank (\d+) in world size \d+ is assigned as")
 MONITOR = re.compile(r"RayWorkerProc rank=\[([\d, ]+)\] died unexpectedly")
 
 
-def ray_env(workdir: str, trigger: str) -> dict[str, str]:
-    """What every Ray process (raylets, actors) and the driver share."""
+def ray_env(workdir: str, trigger: str, plugins: tuple[str, ...] = ()) -> dict[str, str]:
+    """What every Ray process (raylets, actors) and the driver share; plugins: more
+    folders of test-only vLLM plugins for their PYTHONPATH."""
     tmp = os.path.join(workdir, "tmp")
     os.makedirs(tmp, exist_ok=True)
+    path = (FAULT_PLUGIN, RAY_PLATFORM, *plugins, os.environ.get("PYTHONPATH"))
     return {
         **os.environ,
         "TMPDIR": tmp,
-        "PYTHONPATH": os.pathsep.join(p for p in (FAULT_PLUGIN, RAY_PLATFORM, os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
         "RAY_CPU_PLATFORM": "1",
         "RANK_FAULT_TRIGGER": trigger,
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -160,14 +163,16 @@ class RayNode:
 
 
 class RayCluster:
-    """A head and, with nodes=2, a second raylet; ranks_per_node "GPU"s on each."""
+    """A head and, with nodes=2, a second raylet; ranks_per_node "GPU"s on each. plugins
+    and env: more plugin folders (ray_env) and variables for every Ray process and server."""
 
-    def __init__(self, python: str, workdir: str, nodes: int = 2) -> None:
+    def __init__(self, python: str, workdir: str, nodes: int = 2, plugins: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.python, self.workdir = python, workdir
         self.trigger = os.path.join(workdir, "fault")
         self.port = free_port()
         self.address = f"{node_ip(0)}:{self.port}"
-        self.env = ray_env(workdir, self.trigger)
+        self.env = {**ray_env(workdir, self.trigger, plugins), **(env or {})}
         # Ray's session, logs and sockets: its own directory in /tmp, removed by stop(), as
         # its socket paths must stay within AF_UNIX's 107 bytes (under the work directory
         # ".../sockets/plasma_store" exceeds it, and `ray start` fails).
