@@ -7,7 +7,7 @@ straight onto worker_response_mq; reading the call's output rank, or 0.8.5's
 rank0_only flag), bound to a stand-in worker process and fed from a fake
 broadcast queue, one child Python process per case: the fix ends the process,
 so a case cannot run in the test's own. (The probe that does so is the bundle's
-package, rank_exception_fatal: loop_extract, loop_child and loop_cases; apply.py
+package, rank_exception_fatal.loop_probe: extract, child and cases; apply.py
 proves an adapted change with these tests, and judges a file no diff fits with it.)
 
 The executor's worker monitor (MultiprocExecutor.start_worker_monitor) is taken
@@ -45,9 +45,9 @@ import unittest.mock
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # the bundle, whose package this test drives
 
 from rank_exception_fatal.locate import locate_target  # noqa: E402
-from rank_exception_fatal.loop_cases import run_case  # noqa: E402
-from rank_exception_fatal.loop_child import CASE_TIMEOUT_SECONDS  # noqa: E402
-from rank_exception_fatal.loop_extract import (ResponseStatus, extract_collective_rpc,  # noqa: E402
+from rank_exception_fatal.loop_probe.cases import run_case  # noqa: E402
+from rank_exception_fatal.loop_probe.child import CASE_TIMEOUT_SECONDS  # noqa: E402
+from rank_exception_fatal.loop_probe.extract import (ResponseStatus, extract_collective_rpc,  # noqa: E402
                                                extract_worker_monitor,
                                                fault_tolerance_statements, future_reads, handle_fields,
                                                has_sample_tokens, release_has_fault_tolerance,

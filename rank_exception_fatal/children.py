@@ -12,11 +12,11 @@ def main(args: Sequence[str]) -> int:
 
     verb, *rest = args
     if verb == "case":
-        from .loop_child import run_child
+        from .loop_probe.child import run_child
 
         run_child(rest[0], json.loads(rest[1]))
     elif verb == "behaviour":
-        from .loop_cases import behaviour
+        from .loop_probe.cases import behaviour
 
         print(json.dumps({"behaviour": behaviour(rest[0])}))
     elif verb == "prove":

@@ -26,7 +26,7 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
                  check: bool = True) -> Report | None:
     """For a file that no diff fits and that holds none of their fixed text: what its
     worker loop does with a failure, driven as the bundle's loop test drives it, in a
-    child, on the whole matrix (loop_cases.behaviour). A loop that already ends a failing
+    child, on the whole matrix (loop_probe.cases.behaviour). A loop that already ends a failing
     non-output rank (upstream's fix once it lands, a vendor's) or where every rank
     answers every call and replies its failure (0.6.5-0.8.4) needs nothing: exit 0, with
     its own state, once nothing else runs in its place (no rebinding of the loop, no
@@ -68,7 +68,7 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
 
 def not_judged_by_one_loop(text: str) -> str | None:
     """Why what the file's loop does on one node does not prove it, or None."""
-    from .loop_extract import runs_across_nodes
+    from .loop_probe.extract import runs_across_nodes
 
     if runs_across_nodes(text):
         # A worker that exits on its own node ends the engine there; a worker on another

@@ -126,7 +126,7 @@ def known_file(data: bytes) -> bool:
 
 
 def loop_behaviour(path: str) -> str | None:
-    """EXITS, REPLIES, or another word of loop_cases.behaviour() for the file's loop;
+    """EXITS, REPLIES, or another word of loop_probe.cases.behaviour() for the file's loop;
     None if the probe could not run."""
     verdict, problem = ask(child_command("behaviour", os.path.realpath(path)), None, timeout=300)
     return None if problem else verdict.get("behaviour")

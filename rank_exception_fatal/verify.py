@@ -33,8 +33,8 @@ import time
 
 from .spawn import child_command
 from .outcome import OK, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN, VERIFY_NOT_FAIL_FAST
-from .loop_extract import MONITOR_METHODS
-from .stand_ins import StandInExecutor, stuck_in_a_collective
+from .loop_probe.extract import MONITOR_METHODS
+from .loop_probe.stand_ins import StandInExecutor, stuck_in_a_collective
 
 FAILS_FAST, NOT_FAIL_FAST, CANNOT_IMPORT, CANNOT_RUN = OK, VERIFY_NOT_FAIL_FAST, VERIFY_CANNOT_IMPORT, VERIFY_CANNOT_RUN
 HARNESS_TIMEOUT_SECONDS = 180  # vLLM's import alone takes 8-15 s on a 2-core machine

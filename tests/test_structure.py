@@ -129,13 +129,24 @@ def test_an_argument_added_in_a_fixed_function_is_adapted_by_the_diffs_own_lines
     assert adapt.adapt(placed, fixes).state == APPLIED_STATE
 
 
+def package_modules() -> dict[str, str]:
+    """{name as the drawing names it: "check", or "extract" of the loop_probe package: its
+    path}: every module of the package but the __init__ files."""
+    package = os.path.join(BUNDLE, "rank_exception_fatal")
+    found = {}
+    for directory, dirs, names in os.walk(package):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            if name.endswith(".py") and name != "__init__.py":
+                found[name[:-3]] = os.path.join(directory, name)
+    return found
+
+
 def test_each_module_is_named_in_the_structure_section():
     with open(os.path.join(BUNDLE, "docs", "development.md"), encoding="utf-8") as f:
         text = f.read()
     section = text[text.index("## Structure"): text.index("## Development")]
-    modules = sorted(n[:-3] for n in os.listdir(os.path.join(BUNDLE, "rank_exception_fatal"))
-                     if n.endswith(".py") and n != "__init__.py")
-    assert [m for m in modules if f"`{m}`" not in section] == []
+    assert [m for m in sorted(package_modules()) if f"`{m}`" not in section] == []
 
 
 def test_a_copy_of_the_bundle_runs_isolated_without_writing_bytecode(make_tree, tmp_path):
@@ -159,22 +170,27 @@ def test_a_copy_of_the_bundle_runs_isolated_without_writing_bytecode(make_tree, 
 
 
 def import_edges() -> list[str]:
-    """The package's imports of its own modules, as docs/development.md draws them."""
+    """The package's imports of its own modules, as docs/development.md draws them: first
+    the loop_probe package's modules as a subgraph, then each import an edge."""
     import ast
 
-    package = os.path.join(BUNDLE, "rank_exception_fatal")
-    edges = []
-    for name in sorted(n for n in os.listdir(package) if n.endswith(".py") and n != "__init__.py"):
-        with open(os.path.join(package, name), encoding="utf-8") as f:
+    modules = package_modules()
+    assert len(set(modules)) == len(modules), "two modules of one name: the drawing names them apart"
+    probe = sorted(name for name, path in modules.items() if os.path.basename(os.path.dirname(path)) == "loop_probe")
+    edges = ["  subgraph loop_probe", *(f"    {name}" for name in probe), "  end"]
+    for name, path in sorted(modules.items()):
+        with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
 
         def imported(nodes) -> set[str]:
-            return {module for node in nodes if isinstance(node, ast.ImportFrom) and node.level == 1
-                    for module in ([node.module] if node.module else [alias.name for alias in node.names])}
+            # "from .x import", "from ..x import", "from .loop_probe.x import": the module is x.
+            return {(node.module.rsplit(".", 1)[-1] if node.module else alias.name)
+                    for node in nodes if isinstance(node, ast.ImportFrom) and node.level >= 1
+                    for alias in node.names}
 
         at_import = imported(tree.body)
         for module in sorted(imported(ast.walk(tree)) - {"outcome"}):
-            edges.append(f"  {name[:-3]} {'-->' if module in at_import else '-.->'} {module}")
+            edges.append(f"  {name} {'-->' if module in at_import else '-.->'} {module}")
     return edges
 
 

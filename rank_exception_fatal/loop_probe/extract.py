@@ -15,7 +15,7 @@ import pickle
 import sys
 import types
 
-from .bindings import bound_names, loop_methods
+from ..bindings import bound_names, loop_methods
 
 LOGGER_NAME = "vllm.v1.executor.multiproc_executor"
 

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 
-from .spawn import child_command
-from .loop_child import CASE_TIMEOUT_SECONDS, ERRORS, QueueDrained, drive, emit, prepare
-from .loop_extract import LOGGER_NAME, request_size, uses_rank0_only, worker_proc_class
+from ..spawn import child_command
+from .child import CASE_TIMEOUT_SECONDS, ERRORS, QueueDrained, drive, emit, prepare
+from .extract import LOGGER_NAME, request_size, uses_rank0_only, worker_proc_class
 
 
 class Outcome:

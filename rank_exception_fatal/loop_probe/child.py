@@ -14,7 +14,7 @@ import threading
 import time
 import types
 
-from .loop_extract import (LOGGER_NAME, extract_worker_monitor, extract_worker_proc, fault_tolerance_statements,
+from .extract import (LOGGER_NAME, extract_worker_monitor, extract_worker_proc, fault_tolerance_statements,
                            init_settings, request_size, uses_rank0_only, worker_proc_class)
 from .stand_ins import StandInExecutor, stuck_in_a_collective
 
