@@ -72,14 +72,27 @@ def test_the_gate_s_modules_import_under_python_3_9():
         assert evaluated == [], (module, evaluated)
 
 
+def package_modules() -> dict[str, str]:
+    """{name as the drawing names it: "check", or "extract" of the loop_probe package: its
+    path}: every module of the package but the __init__ files, whose names must differ
+    across the subpackages for the drawing to tell them apart."""
+    package = os.path.join(BUNDLE, "rank_exception_fatal")
+    found = []
+    for directory, dirs, names in os.walk(package):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        found += [(name[:-3], os.path.join(directory, name)) for name in names
+                  if name.endswith(".py") and name != "__init__.py"]
+    names = [name for name, _ in found]
+    assert len(set(names)) == len(names), f"two modules of one name: {sorted(names)}"
+    return dict(found)
+
+
 def test_no_module_loads_another_by_path():
     """Imports only: no importlib.util.spec_from_file_location, runpy or exec of a file."""
-    package = os.path.join(BUNDLE, "rank_exception_fatal")
-    for name in sorted(os.listdir(package)):
-        if name.endswith(".py"):
-            with open(os.path.join(package, name), encoding="utf-8") as f:
-                text = f.read()
-            assert not re.search(r"spec_from_file_location|run_path|exec_module|SourceFileLoader\(", text), name
+    for name, path in sorted(package_modules().items()):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        assert not re.search(r"spec_from_file_location|run_path|exec_module|SourceFileLoader\(", text), name
 
 
 # --- pure matching: text in, decision out ------------------------------------------------
@@ -129,19 +142,6 @@ def test_an_argument_added_in_a_fixed_function_is_adapted_by_the_diffs_own_lines
     assert adapt.adapt(placed, fixes).state == APPLIED_STATE
 
 
-def package_modules() -> dict[str, str]:
-    """{name as the drawing names it: "check", or "extract" of the loop_probe package: its
-    path}: every module of the package but the __init__ files."""
-    package = os.path.join(BUNDLE, "rank_exception_fatal")
-    found = {}
-    for directory, dirs, names in os.walk(package):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in names:
-            if name.endswith(".py") and name != "__init__.py":
-                found[name[:-3]] = os.path.join(directory, name)
-    return found
-
-
 def test_each_module_is_named_in_the_structure_section():
     with open(os.path.join(BUNDLE, "docs", "development.md"), encoding="utf-8") as f:
         text = f.read()
@@ -175,7 +175,6 @@ def import_edges() -> list[str]:
     import ast
 
     modules = package_modules()
-    assert len(set(modules)) == len(modules), "two modules of one name: the drawing names them apart"
     probe = sorted(name for name, path in modules.items() if os.path.basename(os.path.dirname(path)) == "loop_probe")
     edges = ["  subgraph loop_probe", *(f"    {name}" for name in probe), "  end"]
     for name, path in sorted(modules.items()):
@@ -183,10 +182,14 @@ def import_edges() -> list[str]:
             tree = ast.parse(f.read())
 
         def imported(nodes) -> set[str]:
-            # "from .x import", "from ..x import", "from .loop_probe.x import": the module is x.
-            return {(node.module.rsplit(".", 1)[-1] if node.module else alias.name)
-                    for node in nodes if isinstance(node, ast.ImportFrom) and node.level >= 1
-                    for alias in node.names}
+            # "from .x import", "from ..x import", "from .loop_probe.x import": the module is x;
+            # "from . import x", "from .loop_probe import x": the names.
+            found = set()
+            for node in nodes:
+                if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                    last = node.module.rsplit(".", 1)[-1] if node.module else None
+                    found |= {alias.name for alias in node.names} if last in (None, "loop_probe") else {last}
+            return found
 
         at_import = imported(tree.body)
         for module in sorted(imported(ast.walk(tree)) - {"outcome"}):

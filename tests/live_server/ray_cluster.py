@@ -1,4 +1,5 @@
-"""A real Ray cluster on this machine and vLLM servers on it, for test_ray.py.
+"""A real Ray cluster on this machine and vLLM servers on it, for test_ray.py (RayExecutorV2)
+and test_ray_legacy.py (the compiled-graph executor before it).
 
 Test-only, standard library only, like server.py and two_nodes.py:
 
@@ -279,11 +280,6 @@ class RayCluster:
             with open(node.log_path, errors="replace") as f:
                 out.append(f"--- {node.name}:\n" + "".join(f.readlines()[-count:]))
         return "".join(out)
-
-
-def worker_processes(members: list[str]) -> list[int]:
-    """The pids of a node's processes that run a vLLM worker actor."""
-    return [int(m.split()[0]) for m in members if "RayWorkerPr" in m or "VLLM::Worker" in m]
 
 
 class RayServer(Server):
