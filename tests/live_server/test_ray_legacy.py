@@ -65,7 +65,7 @@ def legacy_cluster():
         model = os.path.join(work, "model")
         make_model(PYTHON, model)
         cluster = RayCluster(PYTHON, os.path.join(work, "cluster"), nodes=2, plugins=(PLUGINS,), env={
-            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0",  # 0.20.x's default, said
+            "VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0",  # 0.20.x's default, set all the same
             "RAY_CGRAPH_get_timeout": str(GRAPH_READ_TIMEOUT_SECONDS),
             # 0.20.x binds OpenMP threads only in the mp executor: one each on 2 cores.
             "OMP_NUM_THREADS": "1",
