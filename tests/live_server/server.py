@@ -472,5 +472,17 @@ def python_of(venv: str) -> str:
     return os.path.join(venv, "bin", "python")
 
 
+def installed_file(python: str) -> str:
+    """The multiproc_executor.py that python's `import vllm` would load, found without importing
+    vLLM (and torch with it)."""
+    from fetch_release import TARGET
+
+    done = subprocess.run(
+        [python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
+        capture_output=True, text=True, check=True,
+    )
+    return os.path.join(os.path.dirname(done.stdout.strip()), TARGET)
+
+
 if __name__ == "__main__":
     sys.exit("live_server/server.py is a module; run the live test or scripts/bench_failover.py")

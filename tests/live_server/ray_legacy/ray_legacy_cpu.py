@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 
 
 def register() -> None:
@@ -68,7 +67,7 @@ def give_cpu_workers_a_device() -> None:
 
 def fault_in_the_model_runner() -> None:
     """The fault plugin's points, at the model runner's execute_model (module docstring)."""
-    from rank_fault import arm_forward, claim, fire
+    from rank_fault import arm_forward, arm_sample, claim, fire
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner.execute_model, "ray_legacy_cpu", False):
@@ -84,22 +83,10 @@ def fault_in_the_model_runner() -> None:
         if point in ("start", "hang"):
             fire(rank, point)
         if point == "forward":
-            # arm_forward finds the model as the fault plugin's wrapper holds it.
-            arm_forward(types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=self)), rank)
+            arm_forward(self, rank)
         if point == "sample":
-            fail_the_next_sampling(self, rank)
+            arm_sample(self, rank)  # the runner's sample_tokens, which execute_model_ray calls next
         return execute_model(self, scheduler_output, *args, **kwargs)
 
     faulty_execute_model.ray_legacy_cpu = True
     GPUModelRunner.execute_model = faulty_execute_model
-
-
-def fail_the_next_sampling(runner, rank: int) -> None:
-    """An attribute on the runner instance takes the sample_tokens call execute_model_ray makes next."""
-    from rank_fault import fire
-
-    def sample_tokens(*args, **kwargs):
-        del runner.sample_tokens
-        fire(rank, "sample")
-
-    runner.sample_tokens = sample_tokens
