@@ -146,3 +146,54 @@ def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequenc
             raise ValueError(f"names {fix.diff}, which is not in patches/superseded/: copy the bundle again")
         earlier[fix.fixed_sha256] = fix
     return earlier
+
+
+# The API server's exit path (issue 35, docs/supervisor.md): releases/exit_path.tsv, one
+# row a release, made by scripts/make_exit_diffs.py. Not read by apply.py yet: these
+# diffs are tested on every release's files but not applied by the bundle.
+EXIT_PATH_COLUMNS = ("version", "launcher_diff", "launcher_sha256", "launcher_fixed_sha256",
+                     "server_diff", "server_sha256", "server_fixed_sha256")
+ROLES = ("launcher", "server")
+
+
+class ExitPath:
+    """A row of releases/exit_path.tsv: the release's version; for each role (the launcher,
+    whose terminate_if_errored and stop signal handler the diff hooks, and the server
+    file, whose run_server it hooks) the diff in patches/ROLE/, the sha256 of the
+    release's file and of the file the diff makes of it. (A plain class: see outcome.Report.)"""
+
+    __slots__ = EXIT_PATH_COLUMNS
+
+    def __init__(self, version: str, launcher_diff: str, launcher_sha256: str, launcher_fixed_sha256: str,
+                 server_diff: str, server_sha256: str, server_fixed_sha256: str) -> None:
+        self.version = version
+        self.launcher_diff, self.launcher_sha256, self.launcher_fixed_sha256 = (
+            launcher_diff, launcher_sha256, launcher_fixed_sha256)
+        self.server_diff, self.server_sha256, self.server_fixed_sha256 = server_diff, server_sha256, server_fixed_sha256
+
+    def __repr__(self) -> str:
+        return f"ExitPath({self.version!r}, {self.launcher_diff!r}, {self.server_diff!r})"
+
+    def role(self, role: str) -> "tuple[str, str, str]":
+        """(the diff under patches/, the release's sha256, the fixed sha256) for a role."""
+        return (f"{role}/{getattr(self, role + '_diff')}", getattr(self, role + "_sha256"),
+                getattr(self, role + "_fixed_sha256"))
+
+
+def read_exit_paths(table: str, releases: dict[str, Release], *, sealed: bool = True) -> dict[str, ExitPath]:
+    """version -> ExitPath, from releases/exit_path.tsv's text. ValueError saying what is
+    wrong if the table is not whole (sealed as the release table is), a row is malformed,
+    a version is listed twice, or the releases of the release table and its rows differ."""
+    rows = checked_rows(table, EXIT_PATH_COLUMNS, sealed=sealed, writer="scripts/make_exit_diffs.py")
+    paths: dict[str, ExitPath] = {}
+    for row in rows:
+        path = ExitPath(*row) if len(row) == len(EXIT_PATH_COLUMNS) else None
+        digests = "" if path is None else "".join(path.role(role)[1] + path.role(role)[2] for role in ROLES)
+        if path is None or len(digests) != 4 * 64 or digests.strip(HEX_DIGITS):
+            raise ValueError(f"has a malformed row: {row[0]!r}")
+        if path.version in paths:
+            raise ValueError(f"lists {path.version} twice")
+        paths[path.version] = path
+    if list(paths) != list(releases):
+        raise ValueError("must list the releases of releases/releases.tsv, in its order")
+    return paths

@@ -45,7 +45,7 @@ sys.path.insert(0, HERE)  # the bundle's package: its vocabulary and its one rea
 
 from rank_exception_fatal.bundle import TABLE  # noqa: E402
 from rank_exception_fatal.outcome import TARGET  # noqa: E402
-from rank_exception_fatal.table import Release, read_releases  # noqa: E402
+from rank_exception_fatal.table import ROLES, Release, read_exit_paths, read_releases  # noqa: E402
 
 INDEX_URL = "https://pypi.org/simple/{project}/"
 # Real builds between releases that PyPI carries (nightlies of upstream main, vendor
@@ -268,6 +268,72 @@ def release_tree(version: str) -> str:
     if not cached_ok:
         write_atomically(path, fetch(release))
     return tree
+
+
+EXIT_PATH_TABLE = os.path.join(HERE, "releases", "exit_path.tsv")
+
+
+@functools.lru_cache(maxsize=None)
+def exit_paths() -> dict:
+    """releases/exit_path.tsv (scripts/make_exit_diffs.py writes it), checked whole."""
+    with open(EXIT_PATH_TABLE, encoding="utf-8", newline="") as f:
+        return read_exit_paths(f.read(), TABLE_ROWS)
+
+
+def diff_target(diff: str) -> str:
+    """The path a diff of patches/ writes (its +++ line), relative to the tree."""
+    with open(os.path.join(HERE, "patches", diff), encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("+++ b/"):
+                return line[len("+++ b/"):].rstrip("\n")
+    raise ValueError(f"patches/{diff} has no +++ line")
+
+
+def exit_path_tree(version: str) -> str:
+    """release_tree, also holding the release's launcher and server files (releases/exit_path.tsv),
+    each checked against the sha256 that table records for it; fetched on first use, from
+    one read of the wheel's directory."""
+    tree = release_tree(version)
+    row = exit_paths()[version]
+    wanted = {}
+    for role in ROLES:
+        diff, digest, _ = row.role(role)
+        path = diff_target(diff)
+        try:
+            with open(os.path.join(tree, path), "rb") as f:
+                if sha256(f.read()) == digest:
+                    continue
+        except FileNotFoundError:
+            pass
+        wanted[path] = digest
+    if wanted:
+        release = TABLE_ROWS[version]
+        try:
+            found = read_members(release.wheel, list(wanted))
+        except RangeNotHonoured:
+            found = read_members(release.wheel, list(wanted), whole=True)
+        for path, digest in wanted.items():
+            if sha256(found[path]) != digest:
+                raise ValueError(f"{path} of vllm=={version} does not have the sha256 in releases/exit_path.tsv")
+            write_atomically(os.path.join(tree, path), found[path])
+    return tree
+
+
+def read_members(filename: str, names: list[str], *, whole: bool = False) -> dict[str, bytes]:
+    """Several members of one wheel, each checked against its RECORD: the zip's directory read once."""
+    entry = index_entry(filename)
+    with tempfile.TemporaryFile() as f:
+        if whole:
+            download(entry["url"], entry["hashes"]["sha256"], f)
+            wheel_file = f
+        else:
+            wheel_file = io.BufferedReader(RemoteFile(entry["url"], entry["size"]), 1 << 16)
+        with zipfile.ZipFile(wheel_file) as wheel:
+            found = {name: wheel.read(name) for name in names}
+            for name, data in found.items():
+                if sha256(data) != recorded_sha256(wheel, name):
+                    raise ValueError(f"{name} in {filename} does not match the wheel's RECORD")
+    return found
 
 
 # project, version, wheel: the wheel a build's file is read from; sha256: the build's file;

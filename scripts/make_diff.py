@@ -99,14 +99,22 @@ def hunk_range(start: int, end: int) -> str:
     return str(first) if length == 1 else f"{first},{length}"
 
 
-def make_diff(old: str, new: str) -> str:
+def make_diff(old: str, new: str, path: str = TARGET, *, whole_functions: bool = True) -> str:
+    """whole_functions=False: three lines of context, for files the gate knows by sha256
+    alone (the exit path's), where a wider fingerprint buys nothing."""
     old_lines, new_lines = old.splitlines(keepends=True), new.splitlines(keepends=True)
-    groups = hunk_groups(old_lines, new_lines, function_spans(old))
+    groups = hunk_groups(old_lines, new_lines, function_spans(old) if whole_functions else [])
     hunks = [unified_hunk(old_lines, new_lines, ops, context) for ops, context in groups]
     # The seal: apply.py refuses a diff whose lines below its first no longer have that
     # sha256 (a copy cut short at a hunk boundary still parses). git apply and patch skip
     # it as text before the diff.
-    return seal(f"--- a/{TARGET}\n+++ b/{TARGET}\n" + "".join(hunks))
+    return seal(f"--- a/{path}\n+++ b/{path}\n" + "".join(hunks))
+
+
+def creation_diff(text: str, path: str) -> str:
+    """The sealed diff that creates path holding text (git apply and patch -p1 take it)."""
+    lines = text.splitlines(keepends=True)
+    return seal(f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +{hunk_range(0, len(lines))} @@\n" + "".join("+" + line for line in lines))
 
 
 TABLE_HEADER = HEADER  # the table is sealed as a diff is

@@ -1,0 +1,168 @@
+"""Write the API server's exit-path diffs (issue 35) for every release in releases/releases.tsv.
+
+    python3 scripts/make_exit_diffs.py [--helper FILE]
+
+For each release it reads the launcher and the server file out of the wheel (cached
+beside the executor, in fetch_release.py's cache), places the hooks with ast and makes
+the diff as scripts/make_diff.py makes the executor's, sealed, with three lines of context
+(the exit path's files are known by sha256, so a wider fingerprint buys nothing).
+A diff serves every release whose hunks are the same text (line numbers aside), and is
+named by the oldest: patches/launcher/vX.diff, patches/server/vX.diff. Then it writes
+releases/exit_path.tsv (sealed), one row a release. --helper FILE first writes
+patches/helper/helper.diff, the creation of vllm/entrypoints/_rank_exception_fatal.py,
+from FILE: that diff is the module's only copy in the bundle (edit a copy of it, then
+run this).
+
+The hooks, each the import of that module and one call, first in its function (after a
+docstring), except run_server's last call:
+    launcher  terminate_if_errored          engine_checked(engine)
+    launcher  serve_http > signal_handler   stop_requested(app)
+    server    run_server                    arm() first, exit_if_engine_died() last
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections.abc import Sequence
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+
+import fetch_release  # noqa: E402
+from make_diff import creation_diff, make_diff  # noqa: E402
+
+from rank_exception_fatal.seal import seal  # noqa: E402
+from rank_exception_fatal.table import EXIT_PATH_COLUMNS, ROLES  # noqa: E402
+
+HELPER_PATH = "vllm/entrypoints/_rank_exception_fatal.py"
+HELPER_DIFF = os.path.join(HERE, "patches", "helper", "helper.diff")
+# Where each role's file is, newest layout first (0.29.0 moved both).
+PLACES = {
+    "launcher": ("vllm/entrypoints/launchers/launcher.py", "vllm/entrypoints/launcher.py"),
+    "server": ("vllm/entrypoints/launchers/api_server/entry.py", "vllm/entrypoints/openai/api_server.py"),
+}
+IMPORT = "from vllm.entrypoints import _rank_exception_fatal  # rank-exception-fatal: exit 1 if the engine died"
+# role -> (function path, where, call)
+HOOKS = {
+    "launcher": ((("terminate_if_errored",), "first", "_rank_exception_fatal.engine_checked(engine)"),
+                 (("serve_http", "signal_handler"), "first", "_rank_exception_fatal.stop_requested(app)")),
+    "server": ((("run_server",), "first", "_rank_exception_fatal.arm()"),
+               (("run_server",), "last", "_rank_exception_fatal.exit_if_engine_died()")),
+}
+
+
+def function(tree: ast.Module, names: Sequence[str]) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The function at names (a module-level function, then functions defined in its body)."""
+    scope: list[ast.stmt] = tree.body
+    found = None
+    for name in names:
+        matches = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+        if len(matches) != 1:
+            raise LookupError(f"{' > '.join(names)}: {len(matches)} functions named {name}")
+        found = matches[0]
+        scope = found.body
+    return found
+
+
+def own_returns(node: ast.AST) -> list[ast.Return]:
+    """The return statements of node's own scope (not of functions or lambdas inside it)."""
+    found = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Return):
+            found.append(child)
+        elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            found += own_returns(child)
+    return found
+
+
+def hooked(source: str, role: str) -> str:
+    """source with role's hooks placed; LookupError if a function is not there as expected."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    inserts = []  # (0-based line index to insert before, lines)
+    for names, where, call in HOOKS[role]:
+        fn = function(tree, names)
+        body = fn.body
+        has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str)
+        first = body[1] if has_docstring else body[0]
+        indent = " " * first.col_offset
+        if where == "first":
+            inserts.append((first.lineno - 1, [f"{indent}{IMPORT}\n", f"{indent}{call}\n"]))
+        else:
+            if own_returns(fn):
+                raise LookupError(f"{' > '.join(names)} returns early: a last call would not always run")
+            inserts.append((fn.end_lineno, [f"{indent}{call}\n"]))
+    for at, new in sorted(inserts, reverse=True):
+        lines[at:at] = new
+    return "".join(lines)
+
+
+def member(version: str, role: str) -> tuple[str, bytes]:
+    """(path, bytes) of a role's file in a release, cached; the newest layout that the wheel has."""
+    release = fetch_release.TABLE_ROWS[version]
+    tree = os.path.join(fetch_release.cache_dir(), "releases", version)
+    for path in PLACES[role]:
+        cached = os.path.join(tree, path)
+        if os.path.exists(cached):
+            with open(cached, "rb") as f:
+                return path, f.read()
+    for path in PLACES[role]:
+        try:
+            data = fetch_release.read_members(release.wheel, [path])[path]
+        except KeyError:
+            continue
+        fetch_release.write_atomically(os.path.join(tree, path), data)
+        return path, data
+    raise LookupError(f"vllm=={version} has none of {', '.join(PLACES[role])}")
+
+
+def shape(diff: str) -> str:
+    """A diff's text less its seal and hunk headers: the same for releases it serves alike."""
+    return "".join(line for line in diff.splitlines(keepends=True)[1:] if not line.startswith("@@"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--helper"]:
+        with open(args[1], encoding="utf-8") as f:
+            text = f.read()
+        with open(HELPER_DIFF, "w", encoding="utf-8") as f:
+            f.write(creation_diff(text, HELPER_PATH))
+        args = args[2:]
+    if args:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 6
+    rows = []
+    diffs: dict[str, dict[str, tuple[str, str]]] = {role: {} for role in ROLES}  # role -> shape -> (name, diff)
+    for version in fetch_release.RELEASES:
+        row = [version]
+        for role in ROLES:
+            path, data = member(version, role)
+            text = data.decode("utf-8")
+            fixed = hooked(text, role)
+            diff = make_diff(text, fixed, path, whole_functions=False)
+            name, _ = diffs[role].setdefault(shape(diff), (f"v{version}.diff", diff))
+            row += [name, fetch_release.sha256(data), fetch_release.sha256(fixed.encode("utf-8"))]
+        rows.append(row)
+    for role in ROLES:
+        directory = os.path.join(HERE, "patches", role)
+        for old in os.listdir(directory):
+            os.unlink(os.path.join(directory, old))
+        for name, diff in diffs[role].values():
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(diff)
+    body = ("# The API server's exit path (issue 35): for each release, the diff of its launcher and of its\n"
+            "# server file (patches/launcher/, patches/server/) and the sha256 of each file before and after.\n"
+            "# Written by scripts/make_exit_diffs.py; not applied by apply.py yet.\n"
+            + "\t".join(EXIT_PATH_COLUMNS) + "\n" + "".join("\t".join(row) + "\n" for row in rows))
+    with open(fetch_release.EXIT_PATH_TABLE, "w", encoding="utf-8") as f:
+        f.write(seal(body))
+    for role in ROLES:
+        print(f"{role}: {len(diffs[role])} diffs for {len(rows)} releases")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
