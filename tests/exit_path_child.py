@@ -1,0 +1,65 @@
+"""A stand-in API server for tests/test_exit_path.py: it runs the exit-path module (the
+helper diff's file, under ROOT) through one sequence of hooks, as a real run_server,
+launcher and signal handler would call them, and exits as the module makes it exit.
+
+    python exit_path_child.py ROOT STEP [STEP ...]
+
+Steps: arm; dead / alive / retired (the engine's state from now on: the release's
+errored and is_running, or elastic EP's retirement); checked (terminate_if_errored's
+hook); stop (the signal handler's hook); note:CAUSE[:STATUS] (a cause note written by
+another process, as the engine's side writes it, with this process's environment);
+exit (run_server's last call). vLLM's logger is set up as vLLM sets it up: a handler on
+"vllm" writing to stdout.
+"""
+import json
+import logging
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+root, *steps = sys.argv[1:]
+sys.path.insert(0, root)
+from vllm.entrypoints import _rank_exception_fatal as hooks  # noqa: E402
+
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+vllm_logger = logging.getLogger("vllm")
+vllm_logger.addHandler(handler)
+vllm_logger.setLevel(logging.INFO)
+vllm_logger.propagate = False
+
+engine = SimpleNamespace(errored=False, is_running=True, should_keep_api_server_alive=False)
+app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
+WRITER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from vllm.entrypoints import _rank_exception_fatal as hooks
+print(hooks.write_note(**json.loads(sys.argv[2])))
+"""
+for step in steps:
+    if step == "arm":
+        hooks.arm()
+        print("notes", hooks._state["notes"], flush=True)
+    elif step in ("dead", "alive", "retired"):
+        engine.errored, engine.is_running = step != "alive", step == "alive"
+        engine.should_keep_api_server_alive = step == "retired"
+    elif step == "checked":
+        hooks.engine_checked(engine)
+    elif step == "stop":
+        hooks.stop_requested(app)
+    elif step.startswith("note:"):
+        cause, _, status = step[len("note:"):].partition(":")
+        note = {"cause": cause, "rank": 1, "node": 0, "call": "execute_model",
+                "exception_type": "RuntimeError", "exception_message": "CUDA error: out of memory\nsecond line"}
+        if status:
+            note.update(call=None, exception_type=None, exception_message=None, worker_exit_status=int(status))
+        written = subprocess.run([sys.executable, "-c", WRITER, root, json.dumps(note)], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+        print("note written", written, flush=True)
+        time.sleep(0.01)  # the monotonic clock moves on before the next step
+    elif step == "exit":
+        hooks.exit_if_engine_died()
+        print("returned", flush=True)
+    else:
+        raise SystemExit(f"unknown step {step!r}")

