@@ -112,7 +112,10 @@ def make_diff(old: str, new: str, path: str = TARGET, *, whole_functions: bool =
 
 
 def creation_diff(text: str, path: str) -> str:
-    """The sealed diff that creates path holding text (git apply and patch -p1 take it)."""
+    """The sealed diff that creates path holding text (git apply and patch -p1 take it);
+    text ends with a newline (this writes no "No newline at end of file" marker)."""
+    if not text.endswith("\n"):
+        raise ValueError(f"{path}: the text must end with a newline")
     lines = text.splitlines(keepends=True)
     return seal(f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +{hunk_range(0, len(lines))} @@\n" + "".join("+" + line for line in lines))
 

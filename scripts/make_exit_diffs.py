@@ -100,14 +100,23 @@ def hooked(source: str, role: str) -> str:
 
 
 def member(version: str, role: str) -> tuple[str, bytes]:
-    """(path, bytes) of a role's file in a release, cached; the newest layout that the wheel has."""
+    """(path, bytes) of a role's file in a release: the newest layout that the wheel has.
+    The cached copy serves if it has the sha256 releases/exit_path.tsv gives it; else the
+    file is read out of the wheel, checked against the wheel's RECORD, and cached."""
     release = fetch_release.TABLE_ROWS[version]
     tree = os.path.join(fetch_release.cache_dir(), "releases", version)
+    try:
+        known = fetch_release.exit_paths()[version].role(role)[1]
+    except (OSError, ValueError, KeyError):
+        known = None  # a release the table does not list yet
     for path in PLACES[role]:
-        cached = os.path.join(tree, path)
-        if os.path.exists(cached):
-            with open(cached, "rb") as f:
-                return path, f.read()
+        try:
+            with open(os.path.join(tree, path), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        if fetch_release.sha256(data) == known:
+            return path, data
     for path in PLACES[role]:
         try:
             data = fetch_release.read_members(release.wheel, [path])[path]

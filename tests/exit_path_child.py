@@ -5,11 +5,13 @@ launcher and signal handler would call them, and exits as the module makes it ex
     python exit_path_child.py ROOT STEP [STEP ...]
 
 Steps: arm; dead / alive / retired (the engine's state from now on: the release's
-errored and is_running, or elastic EP's retirement); checked (terminate_if_errored's
-hook); stop (the signal handler's hook); note:CAUSE[:STATUS] (a cause note written by
-another process, as the engine's side writes it, with this process's environment);
-exit (run_server's last call). vLLM's logger is set up as vLLM sets it up: a handler on
-"vllm" writing to stdout.
+errored and is_running, or elastic EP's retirement); core:CODE (the engine core
+process, as the client holds it, ended with CODE, or "running"); broken (reading the
+engine's state raises); checked (terminate_if_errored's hook); stop (the signal
+handler's hook); note:CAUSE[:STATUS] (a cause note written by another process, as the
+engine's side writes it, with this process's environment); exit (run_server's last
+call). vLLM's logger is set up as vLLM sets it up, a handler on "vllm" writing to
+stdout, unless the first step is "no-vllm-logging".
 """
 import json
 import logging
@@ -22,14 +24,35 @@ root, *steps = sys.argv[1:]
 sys.path.insert(0, root)
 from vllm.entrypoints import _rank_exception_fatal as hooks  # noqa: E402
 
-handler = logging.StreamHandler(sys.stdout)
-handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-vllm_logger = logging.getLogger("vllm")
-vllm_logger.addHandler(handler)
-vllm_logger.setLevel(logging.INFO)
-vllm_logger.propagate = False
+if steps[:1] == ["no-vllm-logging"]:
+    steps = steps[1:]
+else:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(handler)
+    vllm_logger.setLevel(logging.INFO)
+    vllm_logger.propagate = False
 
-engine = SimpleNamespace(errored=False, is_running=True, should_keep_api_server_alive=False)
+
+class Engine:
+    """What the hooks read of vLLM's AsyncLLM: errored, is_running, elastic EP's flag, and
+    the engine core processes through its client (engine_core.resources.engine_manager)."""
+
+    broken = False
+
+    def __init__(self) -> None:
+        self._errored, self.is_running, self.should_keep_api_server_alive = False, True, False
+        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[])))
+
+    @property
+    def errored(self) -> bool:
+        if self.broken:
+            raise RuntimeError("the engine client's state cannot be read")
+        return self._errored
+
+
+engine = Engine()
 app = SimpleNamespace(state=SimpleNamespace(engine_client=engine))
 WRITER = """
 import json, sys
@@ -42,8 +65,14 @@ for step in steps:
         hooks.arm()
         print("notes", hooks._state["notes"], flush=True)
     elif step in ("dead", "alive", "retired"):
-        engine.errored, engine.is_running = step != "alive", step == "alive"
+        engine._errored, engine.is_running = step != "alive", step == "alive"
         engine.should_keep_api_server_alive = step == "retired"
+    elif step.startswith("core:"):
+        code = step[len("core:"):]
+        exitcode = None if code == "running" else int(code)
+        engine.engine_core.resources.engine_manager.processes = [SimpleNamespace(exitcode=exitcode)]
+    elif step == "broken":
+        engine.broken = True
     elif step == "checked":
         hooks.engine_checked(engine)
     elif step == "stop":

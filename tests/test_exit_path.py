@@ -15,11 +15,14 @@ after a stop asked for while the engine was alive.
 from __future__ import annotations
 
 import ast
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -127,12 +130,13 @@ def test_helper_diff_is_the_creation_of_its_module(helper_root, tmp_path):
     assert creation_diff(text, HELPER_PATH) == read(HELPER_DIFF).decode("utf-8")
     assert run(str(tmp_path), "patch", "-p1", "-F0", "-s", "-i", HELPER_DIFF).returncode == 0
     assert read(os.path.join(str(tmp_path), HELPER_PATH)) == text.encode("utf-8")
-    # Standard library only: importable with no vLLM on the path, in an isolated Python.
+    # Standard library only: it imports, in an isolated Python, nothing of vLLM but itself.
     imported = subprocess.run([sys.executable, "-I", "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                               "import vllm.entrypoints._rank_exception_fatal as m; "
-                               "print(sorted(set(sys.modules) - set(sys.builtin_module_names))[:0])", helper_root],
+                               "import vllm.entrypoints._rank_exception_fatal; "
+                               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))", helper_root],
                               capture_output=True, text=True)
     assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == str(["vllm", "vllm.entrypoints", "vllm.entrypoints._rank_exception_fatal"])
 
 
 def server(helper_root: str, *steps: str) -> tuple[int, list[str]]:
@@ -202,26 +206,60 @@ def test_an_engine_retired_on_purpose_is_not_a_death(helper_root):
     assert status == 0, lines
 
 
-def test_notes_directory_is_exported_and_removed_and_stale_ones_go(helper_root, tmp_path):
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    if base is None:
-        pytest.skip("no writable /dev/shm")
-    stale = os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{dead.pid}")
-    live = os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{os.getpid()}")
-    os.makedirs(stale, exist_ok=True)
-    os.makedirs(live, exist_ok=True)
+def test_a_group_stop_that_ended_the_engine_core_first_is_a_stop(helper_root):
+    # supervisord's stopasgroup, systemd's control-group kill: the engine core gets the SIGTERM
+    # too and may end (status 0, or killed by it) before this server's handler runs.
+    for code in ("0", "-15"):
+        status, lines = server(helper_root, "arm", "dead", f"core:{code}", "checked", "stop", "exit")
+        assert status == 0, (code, lines)
+    # An engine core that failed, was killed otherwise, or still runs after saying it died: a death.
+    for code in ("1", "-9", "running"):
+        status, lines = server(helper_root, "arm", "dead", f"core:{code}", "stop", "exit")
+        assert status == 1, (code, lines)
+
+
+def test_the_hooks_never_raise_into_vllm(helper_root):
+    # An engine whose state cannot be read: the release's own next statement must still run.
+    status, lines = server(helper_root, "arm", "broken", "checked", "stop", "exit")
+    assert (status, lines[-1]) == (0, "returned"), lines
+
+
+def test_without_vllm_logging_both_lines_go_to_stderr(helper_root):
+    done = subprocess.run([sys.executable, os.path.join(TESTS, "exit_path_child.py"), helper_root,
+                           "no-vllm-logging", "arm", "dead", "checked", "exit"], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert "engine died: " in lines[-2] and json.loads(lines[-1])["event"] == "vllm.engine_died", lines
+
+
+def test_notes_directories_are_fresh_and_only_ownerless_ones_go(helper_root):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    prefix = f"rank-exception-fatal-{os.getuid()}-"
+    # Another server's, alive: it holds its lock. One whose server is gone: nobody does.
+    # One being made (no lock yet), and one left unlocked for minutes.
+    alive, gone = tempfile.mkdtemp(prefix=prefix, dir=base), tempfile.mkdtemp(prefix=prefix, dir=base)
+    making, abandoned = tempfile.mkdtemp(prefix=prefix, dir=base), tempfile.mkdtemp(prefix=prefix, dir=base)
+    held = os.open(os.path.join(alive, "owner.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    os.close(os.open(os.path.join(gone, "owner.lock"), os.O_RDWR | os.O_CREAT))
+    os.utime(abandoned, (time.time() - 600, time.time() - 600))
+    # Another server's note is not this server's cause.
+    with open(os.path.join(alive, "cause.json"), "w") as f:
+        json.dump({"cause": "rank-failed", "time": 0}, f)
     try:
         status, lines = server(helper_root, "arm", "note:rank-failed", "note:worker-died:-9", "stop", "exit")
         notes = lines[0].split(" ", 1)[1]
-        assert status == 1 and os.path.dirname(notes) == base
+        assert status == 1 and os.path.dirname(notes) == base and os.path.basename(notes).startswith(prefix)
         assert lines[1:3] == ["note written True", "note written False"]  # the first note wins
         assert last_event(lines)["cause"] == "rank-failed"
-        assert not os.path.exists(notes) and not os.path.exists(stale) and os.path.exists(live)
+        assert not os.path.exists(notes), "its own directory is removed at exit"
+        assert [os.path.exists(p) for p in (alive, gone, making, abandoned)] == [True, False, True, False]
+        # A clean stop next to another server's note: 0.
+        assert server(helper_root, "arm", "stop", "exit")[0] == 0
     finally:
-        shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(live, ignore_errors=True)
+        os.close(held)
+        for path in (alive, gone, making, abandoned):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_no_note_is_written_outside_an_armed_server(helper_root):

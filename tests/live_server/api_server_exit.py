@@ -22,6 +22,7 @@ A case's env is set in its server. STAND_IN_NOTE_ON_SHUTDOWN=1: the engine's shu
 writes a note, as a worker failing while a control-group stop ends it would.
 """
 import asyncio
+import glob
 import json
 import os
 import signal
@@ -55,8 +56,11 @@ print(hooks.write_note(sys.argv[1], rank=1, node=0, call="execute_model",
 def write_note(cause: str) -> str:
     # Another process, as the engine core and its workers are: it finds the directory
     # through the environment the server exported to the processes it starts.
+    notes = notes_of(server_pid)
+    if len(notes) != 1:
+        return f"not one notes directory: {notes}"
     return subprocess.run([sys.executable, "-c", NOTE_WRITER, cause], capture_output=True, text=True,
-                          env=dict(os.environ, RANK_EXCEPTION_FATAL_NOTES=notes_of(server_pid))).stdout.strip()
+                          env=dict(os.environ, RANK_EXCEPTION_FATAL_NOTES=notes[0])).stdout.strip()
 
 
 class StandInEngine:
@@ -108,9 +112,11 @@ async def stand_in_worker(listen_address, sock, args, client_config=None, **uvic
         sock.close()
 
 
-def notes_of(pid: int) -> str:
+def notes_of(pid: int) -> list[str]:
+    """The notes directories of the server with this pid: arm() names each one by its
+    user and pid and a random tail."""
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{pid}")
+    return glob.glob(os.path.join(base, f"rank-exception-fatal-{os.getuid()}-{pid}-*"))
 
 
 def free_port() -> int:
@@ -192,4 +198,4 @@ for case in json.loads(cases_json):
     with open(log, encoding="utf-8", errors="replace") as f:
         lines = f.read().splitlines()
     print(json.dumps({"case": case["name"], "status": status, "steps": steps, "lines": lines[-40:],
-                      "notes_left": os.path.exists(notes_of(server_pid))}), flush=True)
+                      "notes_left": bool(notes_of(server_pid))}), flush=True)
