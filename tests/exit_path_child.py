@@ -5,16 +5,21 @@ launcher and signal handler would call them, and exits as the module makes it ex
     python exit_path_child.py ROOT STEP [STEP ...]
 
 Steps: arm; dead / alive / retired (the engine's state from now on: the release's
-errored and is_running, or elastic EP's retirement); core:CODE (the engine core
-process, as the client holds it, ended with CODE, or "running"); broken (reading the
-engine's state raises); checked (terminate_if_errored's hook); stop (the signal
-handler's hook); note:CAUSE[:STATUS] (a cause note written by another process, as the
-engine's side writes it, with this process's environment); exit (run_server's last
-call). vLLM's logger is set up as vLLM sets it up, a handler on "vllm" writing to
-stdout, unless the first step is "no-vllm-logging".
+errored and is_running, or elastic EP's retirement); layout:VERSION (where the client
+holds its engine core processes, as that release's core_client.py does: 0.8.5, 0.9.0,
+or 0.9.1 and later, the default); core:CODE (the engine core process ended with CODE,
+or "running"); broken (reading the engine's state raises); checked
+(terminate_if_errored's hook); stop (the signal handler's hook); note:CAUSE[:STATUS]
+(a cause note written by another process, as the engine's side writes it, with this
+process's environment); sleep:SECONDS; fork (a child forked now exits normally, running
+the atexit calls it inherits); exit (run_server's last call). vLLM's logger is set up
+as vLLM sets it up, a handler on "vllm" writing to stdout, unless the first step is
+"no-vllm-logging" (no handler anywhere) or "root-logging" (vLLM's logging off, a handler
+on the root logger writing to stdout).
 """
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +31,9 @@ from vllm.entrypoints import _rank_exception_fatal as hooks  # noqa: E402
 
 if steps[:1] == ["no-vllm-logging"]:
     steps = steps[1:]
+elif steps[:1] == ["root-logging"]:
+    steps = steps[1:]
+    logging.basicConfig(stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
 else:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -35,15 +43,35 @@ else:
     vllm_logger.propagate = False
 
 
+class Process:
+    """An engine core process as multiprocessing shows it to its parent: its exitcode
+    (None while it runs), and join, which here waits out the timeout."""
+
+    def __init__(self, exitcode) -> None:
+        self.exitcode = exitcode
+
+    def join(self, timeout=None) -> None:
+        time.sleep(timeout or 0)
+
+
+def resources(layout: str, processes: list) -> SimpleNamespace:
+    """The client's resources, as each release's vllm/v1/engine/core_client.py holds them."""
+    if layout == "0.8.5":
+        return SimpleNamespace(core_engines=[SimpleNamespace(proc_handle=SimpleNamespace(proc=p)) for p in processes])
+    manager = SimpleNamespace(processes=processes)
+    return SimpleNamespace(local_engine_manager=manager) if layout == "0.9.0" else SimpleNamespace(engine_manager=manager)
+
+
 class Engine:
     """What the hooks read of vLLM's AsyncLLM: errored, is_running, elastic EP's flag, and
-    the engine core processes through its client (engine_core.resources.engine_manager)."""
+    the engine core processes through its client (engine_core.resources)."""
 
     broken = False
+    layout = "0.9.1"
 
     def __init__(self) -> None:
         self._errored, self.is_running, self.should_keep_api_server_alive = False, True, False
-        self.engine_core = SimpleNamespace(resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[])))
+        self.engine_core = SimpleNamespace(resources=resources(self.layout, []))
 
     @property
     def errored(self) -> bool:
@@ -67,10 +95,12 @@ for step in steps:
     elif step in ("dead", "alive", "retired"):
         engine._errored, engine.is_running = step != "alive", step == "alive"
         engine.should_keep_api_server_alive = step == "retired"
+    elif step.startswith("layout:"):
+        engine.layout = step[len("layout:"):]
     elif step.startswith("core:"):
         code = step[len("core:"):]
         exitcode = None if code == "running" else int(code)
-        engine.engine_core.resources.engine_manager.processes = [SimpleNamespace(exitcode=exitcode)]
+        engine.engine_core.resources = resources(engine.layout, [Process(exitcode)])
     elif step == "broken":
         engine.broken = True
     elif step == "checked":
@@ -87,6 +117,14 @@ for step in steps:
                                  text=True, check=True).stdout.strip()
         print("note written", written, flush=True)
         time.sleep(0.01)  # the monotonic clock moves on before the next step
+    elif step.startswith("sleep:"):
+        time.sleep(float(step[len("sleep:"):]))
+    elif step == "fork":
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)  # a normal exit: the atexit calls run
+        os.waitpid(child, 0)
+        print("after the fork, notes", os.path.isdir(hooks._state["notes"]), flush=True)
     elif step == "exit":
         hooks.exit_if_engine_died()
         print("returned", flush=True)

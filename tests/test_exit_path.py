@@ -206,16 +206,38 @@ def test_an_engine_retired_on_purpose_is_not_a_death(helper_root):
     assert status == 0, lines
 
 
-def test_a_group_stop_that_ended_the_engine_core_first_is_a_stop(helper_root):
+@pytest.mark.parametrize("layout", ["0.8.5", "0.9.0", "0.9.1"])
+def test_a_group_stop_that_ended_the_engine_core_first_is_a_stop(helper_root, layout):
     # supervisord's stopasgroup, systemd's control-group kill: the engine core gets the SIGTERM
-    # too and may end (status 0, or killed by it) before this server's handler runs.
+    # too and may end (status 0, or killed by it) before this server's handler runs. The
+    # processes are where each release's client holds them.
     for code in ("0", "-15"):
-        status, lines = server(helper_root, "arm", "dead", f"core:{code}", "checked", "stop", "exit")
+        status, lines = server(helper_root, "arm", f"layout:{layout}", "dead", f"core:{code}", "checked", "stop", "exit")
         assert status == 0, (code, lines)
-    # An engine core that failed, was killed otherwise, or still runs after saying it died: a death.
+    # An engine core that failed, was killed otherwise, or still runs after saying it died
+    # (the stop waits STATUS_WAIT_SECONDS for its status): a death.
     for code in ("1", "-9", "running"):
-        status, lines = server(helper_root, "arm", "dead", f"core:{code}", "stop", "exit")
+        status, lines = server(helper_root, "arm", f"layout:{layout}", "dead", f"core:{code}", "stop", "exit")
         assert status == 1, (code, lines)
+
+
+def test_an_engine_core_ended_by_another_signal_is_a_death(helper_root):
+    # Someone else's SIGTERM (an OOM daemon, a stray kill) ended the engine core: with no stop
+    # of this server's, the watchdog's exit is a death; with keep-alive, so is a stop that
+    # comes later than a group stop's would.
+    status, lines = server(helper_root, "arm", "dead", "core:-15", "checked", "exit")
+    assert status == 1, lines
+    assert last_event(lines)["cause"] == "engine-core-died"
+    status, lines = server(helper_root, "arm", "dead", "core:-15", "checked", "alive", "sleep:2.2", "stop", "exit")
+    assert status == 1, lines
+
+
+def test_a_note_written_during_the_drain_is_not_the_cause(helper_root):
+    # The death was seen before the stop; a worker's note written while the stop drains is
+    # not why the engine ended.
+    status, lines = server(helper_root, "arm", "dead", "checked", "stop", "note:rank-failed", "exit")
+    assert status == 1, lines
+    assert last_event(lines)["cause"] == "engine-core-died" and last_event(lines)["rank"] is None
 
 
 def test_the_hooks_never_raise_into_vllm(helper_root):
@@ -232,33 +254,47 @@ def test_without_vllm_logging_both_lines_go_to_stderr(helper_root):
     assert "engine died: " in lines[-2] and json.loads(lines[-1])["event"] == "vllm.engine_died", lines
 
 
+def test_with_vllm_logging_off_the_json_follows_the_roots_handler(helper_root):
+    # VLLM_CONFIGURE_LOGGING=0 with the application's own handler on the root logger.
+    status, lines = server(helper_root, "root-logging", "arm", "dead", "checked", "exit")
+    assert status == 1, lines
+    last_event(lines)
+
+
 def test_notes_directories_are_fresh_and_only_ownerless_ones_go(helper_root):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     prefix = f"rank-exception-fatal-{os.getuid()}-"
-    # Another server's, alive: it holds its lock. One whose server is gone: nobody does.
-    # One being made (no lock yet), and one left unlocked for minutes.
-    alive, gone = tempfile.mkdtemp(prefix=prefix, dir=base), tempfile.mkdtemp(prefix=prefix, dir=base)
-    making, abandoned = tempfile.mkdtemp(prefix=prefix, dir=base), tempfile.mkdtemp(prefix=prefix, dir=base)
-    held = os.open(os.path.join(alive, "owner.lock"), os.O_RDWR | os.O_CREAT)
+    made = {name: tempfile.mkdtemp(prefix=prefix, dir=base)
+            for name in ("alive", "gone", "young", "making", "abandoned", "fifo", "not-0700")}
+    # Another server's, alive: it holds its lock. One whose server is gone: nobody does. One
+    # as young, which may be another server's between its mkdtemp and its lock. One being
+    # made (no lock yet), one left without a lock for minutes, one whose lock is a FIFO
+    # (opening it must not hang the start), one not made by mkdtemp (mode 0755).
+    held = os.open(os.path.join(made["alive"], "owner.lock"), os.O_RDWR | os.O_CREAT)
     fcntl.flock(held, fcntl.LOCK_EX)
-    os.close(os.open(os.path.join(gone, "owner.lock"), os.O_RDWR | os.O_CREAT))
-    os.utime(abandoned, (time.time() - 600, time.time() - 600))
+    for name in ("gone", "young", "not-0700"):
+        os.close(os.open(os.path.join(made[name], "owner.lock"), os.O_RDWR | os.O_CREAT))
+    os.mkfifo(os.path.join(made["fifo"], "owner.lock"))
+    os.chmod(made["not-0700"], 0o755)
+    for name in ("alive", "gone", "abandoned", "fifo", "not-0700"):
+        os.utime(made[name], (time.time() - 600, time.time() - 600))
     # Another server's note is not this server's cause.
-    with open(os.path.join(alive, "cause.json"), "w") as f:
+    with open(os.path.join(made["alive"], "cause.json"), "w") as f:
         json.dump({"cause": "rank-failed", "time": 0}, f)
     try:
-        status, lines = server(helper_root, "arm", "note:rank-failed", "note:worker-died:-9", "stop", "exit")
+        status, lines = server(helper_root, "arm", "note:rank-failed", "note:worker-died:-9", "fork", "stop", "exit")
         notes = lines[0].split(" ", 1)[1]
         assert status == 1 and os.path.dirname(notes) == base and os.path.basename(notes).startswith(prefix)
         assert lines[1:3] == ["note written True", "note written False"]  # the first note wins
+        assert lines[3] == "after the fork, notes True", "a forked child's exit leaves the server's directory"
         assert last_event(lines)["cause"] == "rank-failed"
         assert not os.path.exists(notes), "its own directory is removed at exit"
-        assert [os.path.exists(p) for p in (alive, gone, making, abandoned)] == [True, False, True, False]
+        assert {name for name, path in made.items() if not os.path.exists(path)} == {"gone", "abandoned"}
         # A clean stop next to another server's note: 0.
         assert server(helper_root, "arm", "stop", "exit")[0] == 0
     finally:
         os.close(held)
-        for path in (alive, gone, making, abandoned):
+        for path in made.values():
             shutil.rmtree(path, ignore_errors=True)
 
 
