@@ -8,7 +8,8 @@ Steps: arm; dead / alive / retired (the engine's state from now on: the release'
 errored and is_running, or elastic EP's retirement); layout:VERSION (where the client
 holds its engine core processes, as that release's core_client.py does: 0.8.5, 0.9.0,
 or 0.9.1 and later, the default); core:CODE (the engine core process ended with CODE,
-or "running"); broken (reading the engine's state raises); checked
+or "running"), core:ending:CODE (no status yet: it ends with CODE when joined),
+core:closed (reading its status raises, as a closed multiprocessing.Process's does); broken (reading the engine's state raises); checked
 (terminate_if_errored's hook); stop (the signal handler's hook); note:CAUSE[:STATUS]
 (a cause note written by another process, as the engine's side writes it, with this
 process's environment); sleep:SECONDS; fork (a child forked now exits normally, running
@@ -45,13 +46,24 @@ else:
 
 class Process:
     """An engine core process as multiprocessing shows it to its parent: its exitcode
-    (None while it runs), and join, which here waits out the timeout."""
+    (None while it runs; closed, reading it raises), and join, which waits out the
+    timeout, or returns once a process that is ending has its status."""
 
-    def __init__(self, exitcode) -> None:
-        self.exitcode = exitcode
+    def __init__(self, exitcode, ending: bool = False, closed: bool = False) -> None:
+        self._exitcode, self.ending, self.closed = exitcode, ending, closed
+
+    @property
+    def exitcode(self):
+        if self.closed:
+            raise ValueError("process object is closed")
+        return None if self.ending else self._exitcode
 
     def join(self, timeout=None) -> None:
-        time.sleep(timeout or 0)
+        if self.ending:
+            time.sleep(0.2)
+            self.ending = False
+        else:
+            time.sleep(timeout or 0)
 
 
 def resources(layout: str, processes: list) -> SimpleNamespace:
@@ -99,8 +111,13 @@ for step in steps:
         engine.layout = step[len("layout:"):]
     elif step.startswith("core:"):
         code = step[len("core:"):]
-        exitcode = None if code == "running" else int(code)
-        engine.engine_core.resources = resources(engine.layout, [Process(exitcode)])
+        if code == "closed":
+            process = Process(None, closed=True)
+        elif code.startswith("ending:"):
+            process = Process(int(code[len("ending:"):]), ending=True)
+        else:
+            process = Process(None if code == "running" else int(code))
+        engine.engine_core.resources = resources(engine.layout, [process])
     elif step == "broken":
         engine.broken = True
     elif step == "checked":

@@ -214,11 +214,18 @@ def test_a_group_stop_that_ended_the_engine_core_first_is_a_stop(helper_root, la
     for code in ("0", "-15"):
         status, lines = server(helper_root, "arm", f"layout:{layout}", "dead", f"core:{code}", "checked", "stop", "exit")
         assert status == 0, (code, lines)
-    # An engine core that failed, was killed otherwise, or still runs after saying it died
-    # (the stop waits STATUS_WAIT_SECONDS for its status): a death.
-    for code in ("1", "-9", "running"):
+    # An engine core that failed, was killed otherwise, still runs after saying it died (the
+    # stop waits STATUS_WAIT_SECONDS for its status), or whose status cannot be read: a death.
+    for code in ("1", "-9", "running", "closed"):
         status, lines = server(helper_root, "arm", f"layout:{layout}", "dead", f"core:{code}", "stop", "exit")
         assert status == 1, (code, lines)
+
+
+def test_the_stop_waits_for_an_engine_core_that_is_still_ending(helper_root):
+    # The group's SIGTERM reached the engine core, which has not ended yet when this
+    # server's handler looks: its status, when it comes, decides.
+    assert server(helper_root, "arm", "dead", "core:ending:-15", "stop", "exit")[0] == 0
+    assert server(helper_root, "arm", "dead", "core:ending:1", "stop", "exit")[0] == 1
 
 
 def test_an_engine_core_ended_by_another_signal_is_a_death(helper_root):
