@@ -7,6 +7,7 @@ Standard library only (and pytest).
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -81,9 +82,12 @@ def installed_for_a_module():
     with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-live-") as work:
         model = os.path.join(work, "model")
         make_model(PYTHON, model)
-        yield path, work, model
-        apply("--revert")
-        set_exit_path("release")
+        try:
+            yield path, work, model
+        finally:
+            # The exit path first: a failed revert must not leave the next modules the diffs.
+            set_exit_path("release")
+            apply("--revert")
     assert sorted(ours_in_tmp() - tmp_before) == [], "left in /tmp"
 
 
@@ -131,6 +135,9 @@ def set_exit_path(state: str) -> None:
             f.write(release)
     if os.path.exists(os.path.join(root, HELPER_PATH)):
         os.unlink(os.path.join(root, HELPER_PATH))
+    # Its bytecode too: the install as the wheel left it.
+    for stale in glob.glob(os.path.join(root, os.path.dirname(HELPER_PATH), "__pycache__", "_rank_exception_fatal.*.pyc")):
+        os.unlink(stale)
     if state == "release":
         return
     diffs = [HELPER_DIFF] + [os.path.join(bundle.PATCHES_DIR, diff) for diff, _, _ in exit_path_files().values()]
@@ -164,7 +171,9 @@ def assert_the_exit(lines: list[str], status: int | None, exit_path: str) -> dic
     assert status == 1 and len(events) == 1, (status, lines[-40:])
     event = json.loads(lines[events[0]])
     assert (event["exit_status"], event["vllm_version"]) == (1, VERSION), event
-    reason = lines[events[0] - 1]
+    # The reason: the API server's last log record before the event (another process's
+    # output can land between them).
+    reason = next(line for line in reversed(lines[:events[0]]) if API_SERVER_RECORD.match(line))
     assert " ERROR " in reason and "engine died: " in reason, lines[-40:]
     assert not [line for line in lines[events[0] + 1:] if API_SERVER_RECORD.match(line)], lines[-40:]
     return event

@@ -64,14 +64,16 @@ def run(installed, state: str, fault: str):
     return t, nodes.tail(300), [line.rstrip("\n") for _, line in nodes.leader.lines]
 
 
-def assert_the_rpc_timeout(t) -> None:
+def assert_the_rpc_timeout(t, leader_lines: list[str]) -> None:
     """Release: the leader's engine learns of the failure only when the request's RPC
-    times out; /health answers 200 until then; then the engine ends and the leader exits."""
+    times out; /health answers 200 until then; then the engine ends and the leader exits,
+    with status 0."""
     assert t.health_ok_until >= EXECUTE_MODEL_TIMEOUT_SECONDS - 1, t.as_dict()
     assert t.answer[0] not in (None, 200), t.as_dict()
     assert EXECUTE_MODEL_TIMEOUT_SECONDS - 1 <= t.answered <= EXECUTE_MODEL_TIMEOUT_SECONDS + 5, t.as_dict()
     assert t.engine_error and t.engine_error.startswith("TimeoutError: RPC call to execute_model timed out"), t.as_dict()
     assert t.leader_gone is not None, f"the leader did not exit after the RPC timeout: {t.as_dict()}"
+    assert_the_exit(leader_lines, t.leader_status, "release")
 
 
 def assert_both_nodes_end(t, fault: str, log: str, leader_lines: list[str]) -> None:
@@ -107,7 +109,7 @@ def test_follower_rank_fails_while_the_leader_hangs(installed, state):
         # while the follower and its rank 1 go on.
         assert t.follower_dropped is not None, log
         assert t.fix_exit is None, log
-        assert_the_rpc_timeout(t)
+        assert_the_rpc_timeout(t, leader_lines)
         assert t.follower_gone is None and t.follower_outlived_leader >= 5, f"the follower exited: {t.as_dict()}"
         return
     assert_both_nodes_end(t, HANG, log, leader_lines)
@@ -125,7 +127,7 @@ def test_follower_worker_killed(installed, state):
         # The leader does not see a remote worker die: /health answers 200 and the
         # request waits for the output rank until the RPC timeout. The follower's
         # headless process sees its worker die and exits, with status 0.
-        assert_the_rpc_timeout(t)
+        assert_the_rpc_timeout(t, leader_lines)
         assert t.follower_gone is not None and t.follower_status == 0, t.as_dict()
         return
     assert_both_nodes_end(t, KILL, log, leader_lines)
