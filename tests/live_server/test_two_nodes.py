@@ -30,7 +30,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, assert_the_exit, record, set_exit_path, set_state  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, assert_the_exit, record, set_fix  # noqa: E402
 from live_server.server import shm_left_but_the_cpu_communicator  # noqa: E402
 from live_server.two_nodes import (  # noqa: E402
     EXECUTE_MODEL_TIMEOUT_SECONDS,
@@ -55,8 +55,7 @@ def run(installed, state: str, fault: str):
     """(the timeline, the nodes' last lines, the leader's lines); patched: the executor as
     apply.py leaves it, with the exit path's diffs (issue 35: not applied by apply.py yet)."""
     _, work, model = installed
-    set_state(state)
-    set_exit_path(state)
+    set_fix(state)
     t, nodes = fault_on_two_new_nodes(
         PYTHON, model, tempfile.mkdtemp(dir=work), fault, WATCH_SECONDS[state], FOLLOWER_WATCH_SECONDS[state]
     )
