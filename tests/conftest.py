@@ -45,6 +45,20 @@ def installed():
     yield from installed_for_a_module()
 
 
+@pytest.fixture(scope="module")
+def helper_root(tmp_path_factory):
+    """A directory holding vllm/entrypoints/_rank_exception_fatal.py as patches/helper/helper.diff
+    creates it (the exit path's helper module, standard library only)."""
+    import subprocess
+
+    from make_exit_diffs import HELPER_DIFF
+
+    root = str(tmp_path_factory.mktemp("helper"))
+    applied = subprocess.run(["git", "apply", "-p1", HELPER_DIFF], cwd=root, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stderr
+    return root
+
+
 def release_bytes(version: str) -> bytes:
     with open(os.path.join(release_tree(version), TARGET), "rb") as f:
         return f.read()

@@ -43,6 +43,17 @@ def run_loop_test(root: str, *names: str, fault_tolerance: str | None = None) ->
                           cwd=BUNDLE, env=env, capture_output=True, text=True, timeout=300)
 
 
+def made_from(diff: str) -> str:
+    """The tree whose file a diff was made from: the release it is named after (vX.Y.Z.diff),
+    or, for a shape no release has (main-COMMIT.diff, upstream main between releases), the
+    first build of releases/builds.tsv that names it."""
+    import fetch_release
+
+    if diff.startswith("v"):
+        return fetch_release.release_tree(diff[1:-len(".diff")])
+    return fetch_release.build_tree(next(build for build in fetch_release.read_builds() if build.diff == diff))
+
+
 def process_stat(pid: int | str) -> tuple[str, list[str]] | None:
     """(its name, the fields after it: state, ppid, pgrp, session...) from /proc/PID/stat;
     None if there is no such process."""

@@ -116,15 +116,6 @@ def hooks_in_place(source: str, role: str) -> list[str]:
     return problems
 
 
-@pytest.fixture(scope="module")
-def helper_root(tmp_path_factory):
-    """A directory holding vllm/entrypoints/_rank_exception_fatal.py as helper.diff creates it."""
-    root = str(tmp_path_factory.mktemp("helper"))
-    applied = run(root, "git", "apply", "-p1", HELPER_DIFF)
-    assert applied.returncode == 0, applied.stderr
-    return root
-
-
 def test_helper_diff_is_the_creation_of_its_module(helper_root, tmp_path):
     text = read(os.path.join(helper_root, HELPER_PATH)).decode("utf-8")
     assert creation_diff(text, HELPER_PATH) == read(HELPER_DIFF).decode("utf-8")

@@ -24,7 +24,7 @@ import pytest
 import apply
 from rank_exception_fatal import bundle, check, decide
 from conftest import TARGET, release_bytes, release_tree
-from helpers import APPLY, BUNDLE, run_loop_test
+from helpers import APPLY, BUNDLE, made_from, run_loop_test
 import fetch_release
 from fetch_release import RELEASES, TABLE_ROWS
 from make_diff import make_diff
@@ -55,15 +55,6 @@ def run_release_loop_test(root: str, version: str) -> subprocess.CompletedProces
 
 
 ALL_BUILDS = fetch_release.read_builds()
-
-
-def made_from(diff: str) -> str:
-    """The tree whose file a diff was made from: the release it is named after (vX.Y.Z.diff),
-    or, for a shape no release has (main-COMMIT.diff, upstream main between releases), the
-    first build of releases/builds.tsv that names it."""
-    if diff.startswith("v"):
-        return release_tree(diff[1:-len(".diff")])
-    return fetch_release.build_tree(next(build for build in ALL_BUILDS if build.diff == diff))
 
 
 def test_table_and_bundle_agree():

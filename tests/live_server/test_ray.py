@@ -39,7 +39,7 @@ from fetch_release import TARGET  # noqa: E402
 from helpers import APPLY  # noqa: E402
 from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, VERSION, record  # noqa: E402
 from live_server.ray_cluster import EXECUTE_MODEL_TIMEOUT_SECONDS, RayCluster, fault_on_a_ray_server, ray_bin  # noqa: E402
-from live_server.server import make_model, shm_left_but_the_cpu_communicator  # noqa: E402
+from live_server.server import make_model  # noqa: E402
 
 pytestmark = [
     NEEDS_THE_VENV,

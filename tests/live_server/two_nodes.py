@@ -31,6 +31,8 @@ from live_server.server import (
     STARTUP_TIMEOUT_SECONDS,
     Answered,
     Server,
+    children,
+    command_line,
     free_port,
     serve_args,
     server_env,
@@ -59,30 +61,6 @@ sys.exit(main())
 EXECUTE_MODEL_TIMEOUT_SECONDS = 10
 # How long the follower is watched once the leader has exited.
 FOLLOWER_WATCH_SECONDS = {"release": 10.0, "patched": 15.0}
-
-
-def children(pid: int) -> list[int]:
-    """The pids of a process's children (none once it is gone)."""
-    pids = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                pids.extend(int(child) for child in f.read().split())
-        except OSError:
-            pass
-    return pids
-
-
-def command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 class Node(Server):
