@@ -257,7 +257,8 @@ class Harness:
         self.broadcast.wait_until_ready()
         for response in self.responses:
             response.wait_until_ready()
-        self.executor = StandInExecutor([types.SimpleNamespace(proc=p) for p in (self.peer, self.procs[1])])
+        handles = [types.SimpleNamespace(proc=p, rank=rank) for rank, p in enumerate((self.peer, self.procs[1]))]
+        self.executor = StandInExecutor(handles)
         executor_class = self.module.MultiprocExecutor
         self.executor.bind({name: getattr(executor_class, name) for name in MONITOR_METHODS if hasattr(executor_class, name)})
         self.executor.start_worker_monitor()

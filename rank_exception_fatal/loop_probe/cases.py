@@ -53,10 +53,13 @@ class Outcome:
 
 
 def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_teardown=False, monitor=False,
-             engine_on_another_node=False):
+             engine_on_another_node=False, worker_ends="1", env=None):
     """One case, in a child Python: the fix ends the process, so a case cannot run in this one.
     monitor: True runs the executor's worker monitor in its thread, "inline" as a headless
-    node runs it; engine_on_another_node: the worker's replies go to another node."""
+    node runs it, and worker_ends says how its worker ends (child.ends_as: "1", "SIGKILL"...);
+    engine_on_another_node: the worker's replies go to another node; env: the
+    child's whole environment, its PYTHONPATH included (default: this process's, which an
+    isolated child reads nothing of but the modules' search path it starts with)."""
     case = {
         "rank": rank,
         "calls": calls,
@@ -64,10 +67,11 @@ def run_case(target, rank=None, calls=(), *, fault_tolerance=None, blocking_tear
         "blocking_teardown": blocking_teardown,
         "monitor": monitor,
         "engine_on_another_node": engine_on_another_node,
+        "worker_ends": worker_ends,
     }
-    command = child_command("case", target, json.dumps(case))
+    command = child_command("case", target, json.dumps(case), flags=("-I",) if env is None else ("-s",))
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_SECONDS)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_SECONDS, env=env)
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""

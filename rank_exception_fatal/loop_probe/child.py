@@ -206,9 +206,19 @@ def drive(path: str, worker_proc_type, cls, plain, case: dict) -> None:
             threading.Event().wait()
 
 
-def exits_with_status_1() -> None:
+def ends_as(how: str) -> None:
+    """A worker's end once the monitor waits: an exit status ("1", "0") or a signal's name
+    (SIGKILL as the OOM killer sends it, SIGTERM or SIGINT as a stop of the whole group)."""
     time.sleep(0.3)  # the monitor is waiting by then
-    os._exit(1)
+    if how.startswith("SIG"):
+        import signal
+
+        ending = getattr(signal, how)
+        if ending != signal.SIGKILL:  # its default action, not the probe's handler
+            signal.signal(ending, signal.SIG_DFL)
+        os.kill(os.getpid(), ending)
+        time.sleep(10)
+    os._exit(int(how))
 
 
 def run_monitor(path: str, case: dict) -> None:
@@ -217,11 +227,12 @@ def run_monitor(path: str, case: dict) -> None:
     methods = extract_worker_monitor(path)
     context = multiprocessing.get_context("fork")
     peer = context.Process(target=stuck_in_a_collective, name="StuckPeer", daemon=True)
-    dying = context.Process(target=exits_with_status_1, name="DyingWorker", daemon=True)
+    dying = context.Process(target=ends_as, args=(case.get("worker_ends", "1"),), name="DyingWorker", daemon=True)
     peer.start()
     dying.start()
     executor = StandInExecutor(
-        [types.SimpleNamespace(proc=peer), types.SimpleNamespace(proc=dying)], case.get("fault_tolerance")
+        [types.SimpleNamespace(proc=peer, rank=0), types.SimpleNamespace(proc=dying, rank=1)],
+        case.get("fault_tolerance"),
     )
     executor.bind(methods)
     try:

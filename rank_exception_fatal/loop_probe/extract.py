@@ -261,7 +261,9 @@ def extract_worker_monitor(path: str) -> dict:
         strip_annotations(function)
     module = ast.Module(body=[*stdlib_imports(tree), *functions], type_ignores=[])
     ast.fix_missing_locations(module)
-    namespace = {"__name__": "multiproc_executor_under_test", "logger": logging.getLogger(LOGGER_NAME)}
+    namespace = {"__name__": "multiproc_executor_under_test", "logger": logging.getLogger(LOGGER_NAME),
+                 # A fixed monitor tells the API server of a dead worker through WorkerProc.
+                 "WorkerProc": extract_worker_proc(path)[0]}
     exec(compile(module, path, "exec"), namespace)
     return {function.name: namespace[function.name] for function in functions}
 

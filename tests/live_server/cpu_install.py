@@ -163,14 +163,15 @@ EVENT_START = '{"event": "vllm.engine_died"'
 API_SERVER_RECORD = re.compile(r"\(APIServer pid=\d+\) (DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]")
 
 
-def assert_the_exit(lines: list[str], status: int | None, exit_path: str) -> dict | None:
+def assert_the_exit(lines: list[str], status: int | None, exit_path: str, cause: dict | None = None) -> dict | None:
     """The API server's exit, given its output lines and exit status: with the release's
     exit path, status 0 and no event; with the diffs, status 1, the reason through vLLM's
-    logger, then the JSON event, and no log record of the API server's after them. What
-    may follow: the test's fault plugin's reports (a thread of the API server's), triton's
-    nanobind leak report, which the API server's interpreter prints after its last Python
-    code ran, and multiprocessing's resource tracker, another process (docs/supervisor.md,
-    §7). The event."""
+    logger, then the JSON event, whose fields include cause's (the executor's cause note:
+    rank, call...), and no log record of the API server's after them. What may follow:
+    the test's fault plugin's reports (a thread of the API server's), triton's nanobind
+    leak report, which the API server's interpreter prints after its last Python code ran,
+    and multiprocessing's resource tracker, another process (docs/supervisor.md, §7). The
+    event."""
     events = [k for k, line in enumerate(lines) if line.startswith(EVENT_START)]
     if exit_path == "release":
         assert status == 0 and not events, (status, lines[-20:])
@@ -183,4 +184,6 @@ def assert_the_exit(lines: list[str], status: int | None, exit_path: str) -> dic
     reason = next(line for line in reversed(lines[:events[0]]) if API_SERVER_RECORD.match(line))
     assert " ERROR " in reason and "engine died: " in reason, lines[-40:]
     assert not [line for line in lines[events[0] + 1:] if API_SERVER_RECORD.match(line)], lines[-40:]
+    if cause is not None:
+        assert {key: event[key] for key in cause} == cause, event
     return event

@@ -49,6 +49,13 @@ RUNS = [(fault, state) for fault in FAULTS for state in ("release", "patched")
 
 pytestmark = NEEDS_THE_VENV
 
+# What the event names with the diffs on (the executor's cause note): the rank that exits
+# by the fix; a failure the output rank replies ends the engine with no note.
+RANK_1_FAILED = {"cause": "rank-failed", "rank": 1, "call": "execute_model", "exception_type": "InjectedFault"}
+NO_NOTE = {"cause": "engine-core-died", "rank": None, "call": None}
+CAUSES = {"1:start": RANK_1_FAILED, "1:forward": RANK_1_FAILED, "1:sample": {**RANK_1_FAILED, "call": "sample_tokens"},
+          "0:start": NO_NOTE, "1:start+0:hang": RANK_1_FAILED}
+
 
 def lines_of(server) -> list[str]:
     return [line.rstrip("\n") for _, line in server.lines]
@@ -91,7 +98,7 @@ def test_fault_on_a_live_server(installed, state, fault):
     assert server.orphans == [], f"processes outlived the server: {server.orphans}"
     # The release's exit path exits 0 (README's restart-policy note rests on it); with
     # its diffs the API server exits 1 and says why last.
-    assert_the_exit(lines_of(server), t.server_status, state)
+    assert_the_exit(lines_of(server), t.server_status, state, CAUSES[fault])
 
 
 def test_revert_gives_back_the_wheels_bytes(installed):
@@ -133,7 +140,7 @@ def test_output_rank_failure_under_pipeline_parallelism(installed, state):
         assert "KeyError" not in log, log
     assert server.exited_at is not None, "the server did not exit"
     assert server.orphans == [], f"processes outlived the server: {server.orphans}"
-    assert_the_exit(lines_of(server), server.proc.returncode, state)
+    assert_the_exit(lines_of(server), server.proc.returncode, state, NO_NOTE)
 
 
 @pytest.mark.parametrize("state", ["release", "patched"])
@@ -162,4 +169,4 @@ def test_rank_1_failure_with_a_kv_connector(installed, state):
     ), log
     assert t.health_down is not None and t.gone is not None, t.as_dict()
     assert server.orphans == [], f"processes outlived the server: {server.orphans}"
-    assert_the_exit(lines_of(server), t.server_status, state)
+    assert_the_exit(lines_of(server), t.server_status, state, RANK_1_FAILED)

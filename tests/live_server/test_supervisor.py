@@ -6,9 +6,11 @@ Rank 1 fails in the model's forward, with the executor fixed by apply.py (as ope
 run today's bundle): with the release's launcher and server files the API server exits 0
 and supervisord leaves it down (EXITED); with the exit-path diffs on (not applied by
 apply.py yet: the test puts them on with git apply) it exits 1 as the engine died, its
-last two lines say so, supervisord starts it again and the new server answers; a stop
-through supervisorctl then exits 0 and stays stopped. supervisord's own log lines are
-the verdict.
+last two lines say so (rank 1, execute_model: the executor's cause note), supervisord
+starts it again and the new server answers. Then rank 1's worker is SIGKILLed and the API
+server gets a SIGTERM 0.1 s later, before it has heard of the death: still status 1, the
+dead worker named, restarted again. A stop through supervisorctl then exits 0 and stays
+stopped. supervisord's own log lines are the verdict.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, assert_the_exit, set_exit_path, set_state  # noqa: E402
-from live_server.server import STARTUP_TIMEOUT_SECONDS, Server, end_group  # noqa: E402
+from live_server.server import STARTUP_TIMEOUT_SECONDS, Server, command_line, descendants, end_group  # noqa: E402
 
 SUPERVISOR = os.path.join(cache_dir(), "venv-supervisor", "bin")
 pytestmark = [NEEDS_THE_VENV, pytest.mark.skipif(not os.path.exists(os.path.join(SUPERVISOR, "supervisord")),
@@ -145,17 +148,37 @@ def drive(server: SupervisedServer, exit_path: str) -> dict:
     spawned_at, spawned = server.wait_for(SPAWNED, stamp, 30)
     outcome["new_pid"] = int(spawned.group(1))
     outcome["first_pid"] = first_pid
-    deadline = time.time() + STARTUP_TIMEOUT_SECONDS
-    while time.time() < deadline and server.health() != 200:
-        time.sleep(0.5)
-    outcome["healthy_after"] = round(time.time() - fault_at, 1)
+    outcome["healthy_after"] = round(wait_healthy(server) - fault_at, 1)
     outcome["answer_after_restart"] = server.complete(timeout=120)
+    # A death the API server has not heard of yet when its stop comes (docs/supervisor.md
+    # §5): rank 1's worker killed as the OOM killer kills, and SIGTERM to the API server
+    # 0.1 s later. The worker monitor's cause note makes the stop a failure.
+    [worker] = [pid for pid in descendants(outcome["new_pid"]) if command_line(pid).startswith("VLLM::Worker_TP1")]
+    killed_at = time.time()
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(0.1)
+    os.kill(outcome["new_pid"], signal.SIGTERM)
+    stamp, exited = server.wait_for(EXITED, killed_at, 60)
+    outcome["late_stop"] = {"exit_status": int(exited.group(1)), "expected": exited.group(2),
+                            "exited_after": round(stamp - killed_at, 2)}
+    outcome["late_stop_lines"] = [line.rstrip("\n") for at, line in server.lines if killed_at <= at <= stamp]
+    server.wait_for(SPAWNED, stamp, 30)
+    outcome["late_stop"]["healthy_after"] = round(wait_healthy(server) - killed_at, 1)
     stop_asked = time.time()
     outcome["ctl_stop"] = server.ctl("stop", "vllm")
     outcome["stopped"] = int(server.wait_for(STOPPED, stop_asked, 60)[1].group(1))
     time.sleep(3)
     outcome["status"] = server.ctl("status", "vllm")
     return outcome
+
+
+def wait_healthy(server: SupervisedServer) -> float:
+    """When /health answered 200 (the restarted server's start)."""
+    deadline = time.time() + STARTUP_TIMEOUT_SECONDS
+    while server.health() != 200:
+        assert time.time() < deadline, f"/health not 200 within {STARTUP_TIMEOUT_SECONDS} s:\n{server.tail(60)}"
+        time.sleep(0.5)
+    return time.time()
 
 
 def test_release_launcher_exits_0_and_supervisord_leaves_the_node_down(supervised):
@@ -170,13 +193,20 @@ def test_release_launcher_exits_0_and_supervisord_leaves_the_node_down(supervise
 
 def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
     outcome = supervised("patched")
-    lines = outcome.pop("lines")
+    lines, late_lines = outcome.pop("lines"), outcome.pop("late_stop_lines")
     print(json.dumps(outcome))
     assert outcome["fired"] and outcome["answer"][0] != 200, outcome
     assert (outcome["exit_status"], outcome["expected"]) == (1, "not expected"), outcome
     # The server's own last two lines: the reason through vLLM's logger, then the bare event.
-    print(json.dumps(assert_the_exit(lines, outcome["exit_status"], "patched")))
+    print(json.dumps(assert_the_exit(lines, outcome["exit_status"], "patched",
+                                     {"cause": "rank-failed", "rank": 1, "call": "execute_model"})))
     assert outcome["new_pid"] != outcome["first_pid"], outcome
     assert outcome["answer_after_restart"][0] == 200, outcome
+    # A worker killed, then a stop before the API server heard of it: still a failure,
+    # named by the worker monitor; restarted again.
+    late = outcome["late_stop"]
+    assert (late["exit_status"], late["expected"]) == (1, "not expected"), outcome
+    print(json.dumps(assert_the_exit(late_lines, late["exit_status"], "patched",
+                                     {"cause": "worker-died", "rank": 1, "worker_exit_status": -9})))
     # A stop asked for is a clean stop: status 0 and no restart.
     assert outcome["stopped"] == 0 and outcome["status"].split()[1] == "STOPPED", outcome

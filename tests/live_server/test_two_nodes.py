@@ -45,6 +45,10 @@ KILL = "kill:follower-worker+0:hang"
 LEADER = "0:start"
 # Seconds from the fault to the leader's /health not answering 200, fixed (issue 23).
 HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0}
+# What the leader's event names (the executor's cause note): the leader sees the follower's
+# rank only as its connection drops; its own output rank's failure ends the engine with no note.
+CAUSES = {HANG: {"cause": "rank-disconnected", "rank": 1}, KILL: {"cause": "rank-disconnected", "rank": 1},
+          LEADER: {"cause": "engine-core-died", "rank": None}}
 # Seconds from the fault to the follower's exit, fixed: "within a few seconds".
 FOLLOWER_EXIT_SECONDS = 10.0
 # Release: a request waits the RPC timeout, then the leader goes; the follower is watched after.
@@ -90,7 +94,7 @@ def assert_both_nodes_end(t, fault: str, log: str, leader_lines: list[str]) -> N
     # A supervisor restarts a follower that fails, not one that exits 0; and the leader,
     # which with the exit path's diffs exits 1 as its engine died.
     assert t.follower_status not in (None, 0), f"the follower's exit status: {t.follower_status}"
-    assert_the_exit(leader_lines, t.leader_status, "patched")
+    assert_the_exit(leader_lines, t.leader_status, "patched", CAUSES[fault])
     assert t.leader_left == [], f"the leader's processes outlived it: {t.leader_left}"
     assert t.follower_left == [], f"the follower's processes outlived it: {t.follower_left}"
     assert not shm_left_but_the_cpu_communicator(t.leader_shm_left), t.leader_shm_left
