@@ -108,8 +108,15 @@ def parse_args(argv: "Sequence[str]") -> Options:
     return Options(None if pid else root, mode, as_json, show_help, pid, exact)
 
 
+# The directory a patched API server exports to the processes it starts, for the fixed
+# executor's cause note (docs/supervisor.md §2). The proofs run the fix's code in children
+# of this process: they must never write into a live server's directory.
+NOTES_VARIABLE = "RANK_EXCEPTION_FATAL_NOTES"
+
+
 def main(argv: "Sequence[str] | None" = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    os.environ.pop(NOTES_VARIABLE, None)
     try:
         args = parse_args(argv)
     except UsageError as e:
