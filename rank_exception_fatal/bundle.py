@@ -81,7 +81,8 @@ def check_integrity(name: str, text: str) -> str:
     return body
 
 
-def parse_fix(name: str, text: str) -> Fix:
+def parse_fix(name: str, text: str, target: str = TARGET) -> Fix:
+    """The diff's hunks, once it is whole and changes target, and only target, with context."""
     body = check_integrity(name, text)
     try:
         from unidiff import PatchSet
@@ -91,8 +92,8 @@ def parse_fix(name: str, text: str) -> Fix:
         patch = PatchSet(body)
     except Exception as e:  # unidiff raises more than UnidiffParseError on odd input
         raise Failure(BAD_BUNDLE, f"patches/{name} is not a unified diff: {str(e).strip()}") from None
-    if len(patch) != 1 or patch[0].path != TARGET or not len(patch[0]):
-        raise Failure(BAD_BUNDLE, f"patches/{name} must change {TARGET} and nothing else")
+    if len(patch) != 1 or patch[0].path != target or not len(patch[0]):
+        raise Failure(BAD_BUNDLE, f"patches/{name} must change {target} and nothing else")
     hunks = []
     for number, hunk in enumerate(patch[0], 1):
         # The context is what recognises a release; a hunk without it matches anywhere.

@@ -4,20 +4,24 @@ import os
 
 from .outcome import TARGET
 
+# The directory, within the tree, of the file the executor's diffs fix: its mirrors under
+# a pycache prefix end so.
+EXECUTOR_DIRECTORY = TARGET.rpartition("/")[0]
+
 # Sequence is for annotations only: importing collections.abc costs the gate 2 ms.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-def bytecode_files(paths: "Sequence[str]", pycache_prefix: "str | None") -> list[str]:
+def bytecode_files(paths: "Sequence[str]", pycache_prefix: "str | None", tail: str = EXECUTOR_DIRECTORY) -> list[str]:
     """Every cached .pyc of these source paths, whatever Python wrote it: in __pycache__
     beside them and, with a pycache prefix (PYTHONPYCACHEPREFIX), in the mirror tree under it."""
     found = set()
     for path in paths:
         directories = [os.path.join(os.path.dirname(path), "__pycache__")]
         if pycache_prefix:
-            directories += mirrors_in_prefix(pycache_prefix, os.path.dirname(path))
+            directories += mirrors_in_prefix(pycache_prefix, os.path.dirname(path), tail)
         stem = os.path.splitext(os.path.basename(path))[0] + "."
         for directory in directories:
             try:
@@ -28,12 +32,12 @@ def bytecode_files(paths: "Sequence[str]", pycache_prefix: "str | None") -> list
     return sorted(found)
 
 
-def mirrors_in_prefix(prefix: str, directory: str) -> list[str]:
+def mirrors_in_prefix(prefix: str, directory: str, tail: str) -> list[str]:
     """The directories of a pycache prefix tree that mirror this one under any spelling
     of its path: Python mirrors the path it imported by (a venv reached through a
     symlink), which may not be the path apply.py was given."""
     real = os.path.realpath(directory)
-    tail = os.path.join(*TARGET.split("/")[:-1])  # vllm/v1/executor
+    tail = os.path.join(*tail.split("/"))
     mirrors = []
     for mirror, subdirectories, _ in os.walk(prefix):
         source = os.sep + os.path.relpath(mirror, prefix)
@@ -61,9 +65,10 @@ def stale_bytecode(header: bytes, source: bytes) -> bool:
     return header[:4] != MAGIC_NUMBER or _imp.source_hash(int.from_bytes(MAGIC_NUMBER, "little"), source) != header[8:16]
 
 
-def stale_bytecode_files(paths: "Sequence[str]", source: bytes, pycache_prefix: "str | None") -> list[str]:
+def stale_bytecode_files(paths: "Sequence[str]", source: bytes, pycache_prefix: "str | None",
+                         tail: str = EXECUTOR_DIRECTORY) -> list[str]:
     stale = []
-    for pyc in bytecode_files(paths, pycache_prefix):
+    for pyc in bytecode_files(paths, pycache_prefix, tail):
         try:
             with open(pyc, "rb") as f:
                 header = f.read(16)

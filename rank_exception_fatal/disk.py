@@ -58,16 +58,18 @@ class DirectoryLock:
         os.close(self.fd)  # releases the lock
 
 
-def new_file_like(path: str) -> tuple[int, str]:
-    """A temporary file beside path, with its owner, group and mode: (fd, name)."""
+def new_file_like(path: str, like: str | None = None) -> tuple[int, str]:
+    """A temporary file beside path, with the owner, group and mode of path (or, for a file
+    to create, of the file like, beside it): (fd, name)."""
     import stat
     import tempfile
 
     directory = os.path.dirname(path)
+    like = like or path
     try:
-        old = os.stat(path)
+        old = os.stat(like)
     except FileNotFoundError:
-        raise Failure(TARGET_NOT_FOUND, f"{path} is gone: it was removed during the run") from None
+        raise Failure(TARGET_NOT_FOUND, f"{like} is gone: it was removed during the run") from None
     try:
         fd, temp = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX, suffix=".tmp")
     except OSError as e:
@@ -84,11 +86,11 @@ def new_file_like(path: str) -> tuple[int, str]:
                 # Only root may give a file away, and a user only to a group of theirs.
                 raise Failure(
                     CANNOT_READ_OR_WRITE,
-                    f"cannot keep the owner and group of {path} (uid {old.st_uid}, gid {old.st_gid}):"
+                    f"cannot keep the owner and group of {like} (uid {old.st_uid}, gid {old.st_gid}):"
                     " run as its owner or as root",
                 ) from None
         os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after fchown, which clears set-id bits
-        copy_extended_attributes(path, fd)  # after fchmod, which would reset an ACL's mask
+        copy_extended_attributes(like, fd)  # after fchmod, which would reset an ACL's mask
     except BaseException as e:
         os.close(fd)
         remove_files([temp])
@@ -125,9 +127,10 @@ def check_writable(path: str) -> None:
     remove_files([temp])
 
 
-def replace_file(path: str, data: bytes) -> None:
-    """Swap in the new bytes all at once, with the old file's mode, owner and group."""
-    fd, temp = new_file_like(path)
+def replace_file(path: str, data: bytes, like: str | None = None) -> None:
+    """Swap in the new bytes all at once, with the old file's mode, owner and group (or,
+    to create path, those of the file like), and make the swap durable."""
+    fd, temp = new_file_like(path, like)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -139,10 +142,26 @@ def replace_file(path: str, data: bytes) -> None:
         if isinstance(e, OSError):
             raise Failure(CANNOT_READ_OR_WRITE, f"cannot write {path}: {e.strerror}") from None
         raise
+    sync_directory(os.path.dirname(path))
+
+
+def remove_file(path: str) -> None:
+    """Remove a file, durably: a later write must not stand on disk without this."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise Failure(CANNOT_READ_OR_WRITE, f"cannot remove {path}: {e.strerror}") from None
+    sync_directory(os.path.dirname(path))
+
+
+def sync_directory(directory: str) -> None:
+    """Make a rename or removal in directory durable; the change itself is already done."""
     from contextlib import suppress
 
-    with suppress(OSError):  # make the rename durable; the swap itself is already done
-        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    with suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
