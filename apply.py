@@ -26,7 +26,7 @@ def missing_package(why: str) -> int:
 
         print(json.dumps({"state": "error", "action": "none", "path": None, "distribution": None, "version": None,
                           "diff": None, "adapted": False, "sha256_before": None, "sha256_after": None,
-                          "message": message, "exit_code": BAD_BUNDLE}))
+                          "files": None, "message": message, "exit_code": BAD_BUNDLE}))
     else:
         print(f"apply.py: {message}", file=sys.stderr)
     return BAD_BUNDLE

@@ -7,7 +7,7 @@ import os
 from . import bundle
 from .bundle import Fix, check_integrity, diff_commit, diff_names, read_bundle
 from .locate import read_target
-from .outcome import APPLIED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, Decision, Report
+from .outcome import APPLIED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, STALE_BYTECODE, Decision, Report
 from .seal import sha256_hex
 from .table import read_releases
 
@@ -107,7 +107,7 @@ def checked(path: str, data: bytes, decision, adaptation, pycache_prefix: "str |
         stale = stale_bytecode_files(sorted({path, os.path.realpath(path)}), data, pycache_prefix)
         if stale:
             message = (
-                f"stale bytecode {stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
+                f"{STALE_BYTECODE}{stale[0]} would run instead of the fixed source (patches/{name}; apply.py removes it)"
             )
             return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, diff=name, before=data, after=data)
     adapted = adaptation is not None

@@ -14,11 +14,15 @@ if TYPE_CHECKING:
 
 USAGE_TEXT = """Apply, check or revert the rank-exception-fatal fix in vLLM's multiproc executor.
 
-usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--exact] [--json]
+usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--exact]
+                [--executor-only] [--json]
 
-Without a mode, applies the fix if it is not applied yet. Reads
-vllm/v1/executor/multiproc_executor.py under --root (default: $GAUDI_FIXES_ROOT),
-or else in the vllm package this Python would import, found without importing it.
+Without a mode, applies the fix if it is not applied yet. The fix is four files of the
+vllm package: vllm/v1/executor/multiproc_executor.py (a failing rank ends the engine),
+and the API server's exit path, so that vllm serve then exits 1 and says why: its
+launcher and server file, and the module vllm/entrypoints/_rank_exception_fatal.py they
+import. Found under --root (default: $GAUDI_FIXES_ROOT), or else in the vllm package
+this Python would import, found without importing it.
 
 options:
   --root DIR         the directory holding vllm/
@@ -32,19 +36,25 @@ options:
   --exact            fix only a file whose changed functions are a release's, byte for
                      byte; without it, a diff may also be placed by its own lines in a
                      build between releases, and is then proven by the loop test first
+  --executor-only    the executor's file alone, as bundles before the exit path did:
+                     vllm serve then exits 0 when the fix ends the engine
   --json             print one JSON object instead of the human line
   -h, --help         print this help
 
-exit codes:
-  0  applied, or nothing to do: the file already fails fast by its own code, or
-     every rank replies its failure (with --diff, done; with --verify, the
-     installed vLLM fails fast)
-  1  not applied (--check), or applied but stale bytecode would run the old code;
-     with --check --pid also: the process started before the file (or a link on
-     its path) last changed, so it still runs the code it loaded then (needs-restart)
-  2  source drifted: the file matches no diff, or more than one way; nothing was written
+exit codes (for the set: the first error any file gives, else 2 if any drifted, else 1
+if any is not applied, else 0):
+  0  applied, or nothing to do: every file is fixed (the executor may also fail fast
+     by its own code, or every rank reply its failure) (with --diff, done; with
+     --verify, the installed vLLM fails fast)
+  1  not applied (--check; also when an apply was cut short), or applied but stale
+     bytecode would run the old code; with --check --pid also: the process started
+     before a file (or a link on its path) last changed, so it still runs the code it
+     loaded then (needs-restart)
+  2  source drifted: a file matches no diff, or more than one way; nothing was written
   3  target not found: no vllm/v1/executor/multiproc_executor.py
-  4  cannot read, lock or write the target, or keep its owner; the file is untouched
+  4  cannot read, lock or write a file, or keep its owner; nothing was written (checked
+     for every file first; should the executor's own write then fail, the message says
+     that the exit path was written: run again)
   5  malformed patch bundle (patches/ missing, a bad or cut diff, no unidiff)
   6  usage error
   7  --verify: the installed vLLM does not fail fast
@@ -69,15 +79,17 @@ MODES = {"--check": "check", "--revert": "revert", "--diff": "diff", "--dry-run"
 class Options:
     """The parsed command line. (A plain class: see outcome.Report.)"""
 
-    __slots__ = ("root", "mode", "json", "help", "pid", "exact")
+    __slots__ = ("root", "mode", "json", "help", "pid", "exact", "executor_only")
 
-    def __init__(self, root: "str | None", mode: str, json: bool, help: bool, pid: "str | None", exact: bool) -> None:
+    def __init__(self, root: "str | None", mode: str, json: bool, help: bool, pid: "str | None", exact: bool,
+                 executor_only: bool = False) -> None:
         self.root, self.mode, self.json, self.help, self.pid, self.exact = root, mode, json, help, pid, exact
+        self.executor_only = executor_only
 
 
 def parse_args(argv: "Sequence[str]") -> Options:
     root, mode, as_json, show_help = os.environ.get("GAUDI_FIXES_ROOT") or None, "apply", False, False
-    pid, exact = None, False
+    pid, exact, executor_only = None, False, False
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -99,13 +111,15 @@ def parse_args(argv: "Sequence[str]") -> Options:
             as_json = True
         elif arg == "--exact":
             exact = True
+        elif arg == "--executor-only":
+            executor_only = True
         else:
             raise UsageError(f"unknown argument {arg!r}")
     if pid and any(a == "--root" or a.startswith("--root=") for a in argv):
         raise UsageError("--pid cannot go with --root: the process says where its vllm is")
     if pid and mode == "verify":
         raise UsageError("--verify cannot go with --pid: run --verify with the server's Python")
-    return Options(None if pid else root, mode, as_json, show_help, pid, exact)
+    return Options(None if pid else root, mode, as_json, show_help, pid, exact, executor_only)
 
 
 # The directory a patched API server exports to the processes it starts, for the fixed
@@ -162,6 +176,10 @@ def run(args: Options, located: Located) -> Report:
     (--check on a known file) costs little more than starting Python."""
     # Where this process, or the one --pid names, caches bytecode.
     prefix = located.pycache_prefix or sys.pycache_prefix
+    if args.mode == "verify":
+        return run_verify(located.path, args.root)
+    if not args.executor_only:
+        return run_set(args, located.path, prefix)
     if args.mode == "check":
         from .check import run_check
 
@@ -171,14 +189,28 @@ def run(args: Options, located: Located) -> Report:
 
             report = as_running(args.pid, located.path, report)
         return report
-    if args.mode == "verify":
-        return run_verify(located.path, args.root)
     from .bundle import read_bundle
     from .change import run_change, run_diff
 
     if args.mode == "diff":
         return run_diff(located.path, read_bundle(), exact=args.exact)
     return run_change(located.path, read_bundle(), prefix, revert=args.mode == "revert", exact=args.exact)
+
+
+def run_set(args: Options, path: str, prefix: "str | None") -> Report:
+    """The mode's action on the set of the fix's files (fileset)."""
+    from . import fileset
+
+    if args.pid:
+        fileset.seen_alike_by(args.pid, path)
+    if args.mode == "check":
+        report = fileset.check_set(path, prefix, exact=args.exact)
+        return fileset.running_set(args.pid, report) if args.pid and report.code == OK else report
+    from .bundle import read_bundle
+
+    if args.mode == "diff":
+        return fileset.diff_set(path, read_bundle(), exact=args.exact)
+    return fileset.change_set(path, read_bundle(), prefix, revert=args.mode == "revert", exact=args.exact)
 
 
 def run_verify(path: str, root: "str | None") -> Report:
@@ -247,6 +279,7 @@ def print_json(report: Report, path: "str | None") -> None:
         "adapted": report.adapted,
         "sha256_before": digest(report.before),
         "sha256_after": digest(report.after),
+        "files": report.files,
         "message": report.message,
         "exit_code": report.code,
     }))

@@ -120,9 +120,9 @@ def copy_extended_attributes(path: str, fd: int) -> None:
             ) from None
 
 
-def check_writable(path: str) -> None:
-    """Fail as replace_file would, writing nothing: for --dry-run."""
-    fd, temp = new_file_like(path)
+def check_writable(path: str, like: str | None = None) -> None:
+    """Fail as replace_file would, writing nothing: for --dry-run, and before a set of files is written."""
+    fd, temp = new_file_like(path, like)
     os.close(fd)
     remove_files([temp])
 
@@ -177,18 +177,19 @@ def compile_error(data: bytes, path: str) -> str | None:
     return None
 
 
-def refuse_a_shared_file(path: str) -> None:
-    """A target that leads by a symlink out of the tree holding its vllm/ (a file or a
-    directory linked into a store, as uv's --link-mode=symlink makes) is shared: a write
-    would change every environment linked to it. The operator chooses which to fix."""
+def refuse_a_shared_file(path: str, relative: str = TARGET) -> None:
+    """A file of the fix (at relative in its tree) that leads by a symlink out of the tree
+    holding its vllm/ (a file or a directory linked into a store, as uv's
+    --link-mode=symlink makes) is shared: a write would change every environment linked to
+    it. The operator chooses which to fix."""
     def holding_vllm(file: str) -> str:
-        return file[: -len(TARGET) - 1] or os.sep
+        return file[: -len(relative) - 1] or os.sep
 
     real = os.path.realpath(path)
     tree = holding_vllm(path)
     if real.startswith(os.path.join(os.path.realpath(tree), "")):
         return
-    everyone = f"; or all that share it: --root {holding_vllm(real)}" if real.endswith(os.sep + TARGET) else ""
+    everyone = f"; or all that share it: --root {holding_vllm(real)}" if real.endswith(os.sep + relative) else ""
     raise Failure(
         CANNOT_READ_OR_WRITE,
         f"{path} is a link to {real}, outside {tree}: a file other environments may share;"

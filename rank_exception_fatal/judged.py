@@ -11,7 +11,7 @@ from .bundle import LOOP_TEST, Fix
 from .bytecode import stale_bytecode_files
 from .disk import DirectoryLock, remove_files
 from .match import find_block, fingerprint, split_lines
-from .outcome import FAILS_FAST_STATE, NOT_AFFECTED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, Report
+from .outcome import FAILS_FAST_STATE, NOT_AFFECTED_STATE, NOT_APPLIED, NOT_APPLIED_STATE, OK, STALE_BYTECODE, Report
 from .proof import EXITS, REPLIES, loop_behaviour, undriven_reads, undriven_words
 from .reports import drifted
 
@@ -50,7 +50,7 @@ def by_behaviour(path: str, data: bytes, text: str | None, fixes: Sequence[Fix],
     sources = sorted({path, os.path.realpath(path)})
     stale = stale_bytecode_files(sources, data, pycache_prefix)
     if stale and check:
-        message = f"stale bytecode {stale[0]} would run instead of this file, which is {state} (apply.py removes it)"
+        message = f"{STALE_BYTECODE}{stale[0]} would run instead of this file, which is {state} (apply.py removes it)"
         return Report(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=message, before=data, after=data)
     if stale:
         with DirectoryLock(os.path.dirname(os.path.realpath(path))):

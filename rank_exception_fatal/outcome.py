@@ -20,6 +20,9 @@ VERIFY_STATES = {
     VERIFY_CANNOT_RUN: "cannot-run",
 }
 
+# How a report that only stale bytecode keeps from 0 starts: apply removes the .pyc and writes no source.
+STALE_BYTECODE = "stale bytecode "
+
 # Actions, as --json prints them.
 NO_ACTION, APPLIED, REVERTED, WOULD_APPLY, VERIFIED = "none", "applied", "reverted", "would-apply", "verify"
 
@@ -52,14 +55,16 @@ class Decision:
 class Report:
     """What a run found and did: exit code, state, the message, the action taken, the diff
     used, the file's bytes before and after, and whether the diff was placed by its own
-    lines (adapted)."""
+    lines (adapted): the executor's. files: each file of the set, as --json prints them
+    (None: the executor's alone)."""
 
-    __slots__ = ("code", "state", "message", "action", "diff", "before", "after", "adapted")
+    __slots__ = ("code", "state", "message", "action", "diff", "before", "after", "adapted", "files")
 
     def __init__(self, *, code: int, state: str, message: str, action: str = NO_ACTION, diff: "str | None" = None,
-                 before: "bytes | None" = None, after: "bytes | None" = None, adapted: bool = False) -> None:
+                 before: "bytes | None" = None, after: "bytes | None" = None, adapted: bool = False,
+                 files: "list | None" = None) -> None:
         self.code, self.state, self.message, self.action = code, state, message, action
-        self.diff, self.before, self.after, self.adapted = diff, before, after, adapted
+        self.diff, self.before, self.after, self.adapted, self.files = diff, before, after, adapted, files
 
     def replaced(self, **changes) -> "Report":
         """A copy with the named fields changed."""

@@ -210,10 +210,11 @@ def mark_changed(path: str) -> str | None:
     return None
 
 
-def as_running(pid: str, path: str, report: Report) -> Report:
-    """--check --pid: 0 only if the running process loaded the file as it is now."""
+def as_running(pid: str, path: str, report: Report, what: str = "the file") -> Report:
+    """--check --pid: 0 only if the running process loaded the file as it is now (what: the
+    file, or the fix whose files the caller asks in turn)."""
     why = started_after_change(pid, path)
     if why is None:
         return report
-    message = f"needs restart: the file reads {report.state} ({report.message}), but {why}: it runs the code it loaded then; restart the server"
+    message = f"needs restart: {what} reads {report.state} ({report.message}), but {why}: it runs the code it loaded then; restart the server"
     return report.replaced(code=NOT_APPLIED, state=NEEDS_RESTART_STATE, message=message)

@@ -5,8 +5,8 @@
 
 Runs the four commands in turn, RUNS times, in a new order each time (so that drift in
 machine load, and one command's effect on the next, hit all alike): the gate on a tree
-holding the real 0.30.0 release file (exit 1) and on one holding the file its diff makes
-(exit 0, as on a fixed node), with the bundle's bytecode cached first (compileall: as on
+holding the real 0.30.0 release's files, the executor, launcher and server file (exit 1),
+and on one holding the files apply.py makes of them (exit 0, as on a fixed node), with the bundle's bytecode cached first (compileall: as on
 a node after the first run). Prints the median wall
 time of each and the gate's ratios to the other two. The target: at most 1.3 times a
 bare Python start.
@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from fetch_release import TARGET, release_tree
+from fetch_release import release_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLE = os.path.dirname(HERE)
@@ -47,8 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     compileall.compile_dir(os.path.join(BUNDLE, "rank_exception_fatal"), quiet=1)
     with tempfile.TemporaryDirectory() as release, tempfile.TemporaryDirectory() as fixed:
         for root in (release, fixed):
-            os.makedirs(os.path.join(root, os.path.dirname(TARGET)))
-            shutil.copyfile(os.path.join(release_tree("0.30.0"), TARGET), os.path.join(root, TARGET))
+            shutil.copytree(os.path.join(release_tree("0.30.0"), "vllm"), os.path.join(root, "vllm"))
         subprocess.run([sys.executable, APPLY, "--root", fixed], stdout=subprocess.DEVNULL, check=True)
         commands = {
             "apply.py --check (release)": ([sys.executable, APPLY, "--check", "--root", release], 1),

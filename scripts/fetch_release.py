@@ -4,9 +4,10 @@
     python3 scripts/fetch_release.py --survey VERSION ...
 
 Prints one directory per version, each holding vllm/v1/executor/multiproc_executor.py
-exactly as in the vllm==VERSION wheel, kept in $RANK_EXCEPTION_FATAL_CACHE (default
+and the API server's launcher and server file (the fix's files) exactly as in the
+vllm==VERSION wheel, kept in $RANK_EXCEPTION_FATAL_CACHE (default
 ~/.cache/rank-exception-fatal)/releases/VERSION/. Every file is checked against the
-sha256 that releases/releases.tsv records for its release.
+sha256 that releases/releases.tsv (or releases/exit_path.tsv) records for its release.
 
 The file is read out of the wheel that the table names with HTTP range requests:
 the zip's central directory, its RECORD and the one member, a few hundred KB of a
@@ -253,7 +254,13 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 def release_tree(version: str) -> str:
-    """The cached directory holding vllm/ for this release, fetched on first use."""
+    """The cached directory holding vllm/ for this release, with the fix's files (the
+    executor, the launcher and the server file), each fetched on first use."""
+    return exit_path_tree(version)
+
+
+def executor_tree(version: str) -> str:
+    """The cached directory holding vllm/ for this release, with its executor file, fetched on first use."""
     try:
         release = TABLE_ROWS[version]
     except KeyError:
@@ -271,6 +278,11 @@ def release_tree(version: str) -> str:
 
 
 EXIT_PATH_TABLE = os.path.join(HERE, "releases", "exit_path.tsv")
+# Where each role's file of the exit path is, newest layout first (0.29.0 moved both).
+EXIT_PATH_PLACES = {
+    "launcher": ("vllm/entrypoints/launchers/launcher.py", "vllm/entrypoints/launcher.py"),
+    "server": ("vllm/entrypoints/launchers/api_server/entry.py", "vllm/entrypoints/openai/api_server.py"),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -290,10 +302,10 @@ def diff_target(diff: str) -> str:
 
 
 def exit_path_tree(version: str) -> str:
-    """release_tree, also holding the release's launcher and server files (releases/exit_path.tsv),
+    """executor_tree, also holding the release's launcher and server files (releases/exit_path.tsv),
     each checked against the sha256 that table records for it; fetched on first use, from
     one read of the wheel's directory."""
-    tree = release_tree(version)
+    tree = executor_tree(version)
     row = exit_paths()[version]
     wanted = {}
     for role in ROLES:
@@ -319,9 +331,18 @@ def exit_path_tree(version: str) -> str:
     return tree
 
 
-def read_members(filename: str, names: list[str], *, whole: bool = False) -> dict[str, bytes]:
-    """Several members of one wheel, each checked against its RECORD: the zip's directory read once."""
-    entry = index_entry(filename)
+def exit_path_files(version: str) -> list[tuple[str, str]]:
+    """(its path in a tree, the cached copy) of the release's launcher and server file."""
+    tree = exit_path_tree(version)
+    paths = [diff_target(exit_paths()[version].role(role)[0]) for role in ROLES]
+    return [(path, os.path.join(tree, path)) for path in paths]
+
+
+def read_members(filename: str, names: list[str], *, whole: bool = False, project: str = "vllm",
+                 present: bool = False) -> dict[str, bytes]:
+    """Several members of one wheel, each checked against its RECORD: the zip's directory read
+    once. present: those of names that the wheel has (else each must be there)."""
+    entry = index_entry(filename, project)
     with tempfile.TemporaryFile() as f:
         if whole:
             download(entry["url"], entry["hashes"]["sha256"], f)
@@ -329,7 +350,8 @@ def read_members(filename: str, names: list[str], *, whole: bool = False) -> dic
         else:
             wheel_file = io.BufferedReader(RemoteFile(entry["url"], entry["size"]), 1 << 16)
         with zipfile.ZipFile(wheel_file) as wheel:
-            found = {name: wheel.read(name) for name in names}
+            listed = set(wheel.namelist()) if present else set(names)
+            found = {name: wheel.read(name) for name in names if name in listed}
             for name, data in found.items():
                 if sha256(data) != recorded_sha256(wheel, name):
                     raise ValueError(f"{name} in {filename} does not match the wheel's RECORD")
@@ -364,12 +386,13 @@ def build_name(build: Build) -> str:
 
 
 def build_tree(build: Build) -> str:
-    """The cached directory holding vllm/ for a build of builds.tsv, fetched on first use."""
+    """The cached directory holding vllm/ for a build of builds.tsv, with the executor and
+    the launcher and server file, fetched on first use."""
     tree = os.path.join(cache_dir(), "builds", build_name(build))
     path = os.path.join(tree, TARGET)
     try:
         with open(path, "rb") as f:
-            if sha256(f.read()) == build.sha256:
+            if sha256(f.read()) == build.sha256 and has_exit_path(tree):
                 return tree
     except FileNotFoundError:
         pass
@@ -378,8 +401,28 @@ def build_tree(build: Build) -> str:
         data = changed(data, os.path.join(HERE, build.change))
     if sha256(data) != build.sha256:
         raise ValueError(f"{TARGET} of {build_name(build)} does not have the sha256 in releases/builds.tsv")
+    # (A change of tests/inputs/ is to the executor alone.)
+    fetch_exit_path(tree, build.wheel, build.project)
     write_atomically(path, data)
     return tree
+
+
+def has_exit_path(tree: str) -> bool:
+    """Whether the tree holds a launcher and a server file, at any of their places."""
+    return all(any(os.path.exists(os.path.join(tree, p)) for p in paths) for paths in EXIT_PATH_PLACES.values())
+
+
+def fetch_exit_path(tree: str, wheel: str, project: str = "vllm") -> None:
+    """The API server's launcher and server file into tree, as the wheel has them, each
+    checked against the wheel's RECORD (for a build or release the exit path's table does
+    not list): before the executor, whose bytes mark the tree complete."""
+    places = [path for paths in EXIT_PATH_PLACES.values() for path in paths]
+    try:
+        found = read_members(wheel, places, project=project, present=True)
+    except RangeNotHonoured:
+        found = read_members(wheel, places, project=project, present=True, whole=True)
+    for name, member in found.items():
+        write_atomically(os.path.join(tree, name), member)
 
 
 def changed(data: bytes, change: str) -> bytes:
@@ -395,13 +438,13 @@ def changed(data: bytes, change: str) -> bytes:
 
 
 def unlisted_release_tree(version: str, expected_sha256: str) -> str:
-    """release_tree for a release the table does not list (one without the bug), whose
-    file's sha256 the caller pins."""
+    """release_tree for a release the table does not list (one without the bug, or a new
+    one), whose executor's sha256 the caller pins; with its launcher and server file."""
     tree = os.path.join(cache_dir(), "releases", version)
     path = os.path.join(tree, TARGET)
     try:
         with open(path, "rb") as f:
-            if sha256(f.read()) == expected_sha256:
+            if sha256(f.read()) == expected_sha256 and has_exit_path(tree):
                 return tree
     except FileNotFoundError:
         pass
@@ -411,6 +454,7 @@ def unlisted_release_tree(version: str, expected_sha256: str) -> str:
     data = read_from_wheel(max(wheels, key=build_number))
     if sha256(data) != expected_sha256:
         raise ValueError(f"{TARGET} of vllm=={version} does not have the sha256 {expected_sha256}")
+    fetch_exit_path(tree, max(wheels, key=build_number))
     write_atomically(path, data)
     return tree
 

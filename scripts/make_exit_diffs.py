@@ -32,48 +32,13 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 import fetch_release  # noqa: E402
 from make_diff import creation_diff, make_diff  # noqa: E402
 
+from rank_exception_fatal.hooks import HOOKS, IMPORT, function, own_returns  # noqa: E402
 from rank_exception_fatal.seal import seal  # noqa: E402
 from rank_exception_fatal.table import EXIT_PATH_COLUMNS, ROLES  # noqa: E402
 
 HELPER_PATH = "vllm/entrypoints/_rank_exception_fatal.py"
 HELPER_DIFF = os.path.join(HERE, "patches", "helper", "helper.diff")
-# Where each role's file is, newest layout first (0.29.0 moved both).
-PLACES = {
-    "launcher": ("vllm/entrypoints/launchers/launcher.py", "vllm/entrypoints/launcher.py"),
-    "server": ("vllm/entrypoints/launchers/api_server/entry.py", "vllm/entrypoints/openai/api_server.py"),
-}
-IMPORT = "from vllm.entrypoints import _rank_exception_fatal  # rank-exception-fatal: exit 1 if the engine died"
-# role -> (function path, where, call)
-HOOKS = {
-    "launcher": ((("terminate_if_errored",), "first", "_rank_exception_fatal.engine_checked(engine)"),
-                 (("serve_http", "signal_handler"), "first", "_rank_exception_fatal.stop_requested(app)")),
-    "server": ((("run_server",), "first", "_rank_exception_fatal.arm()"),
-               (("run_server",), "last", "_rank_exception_fatal.exit_if_engine_died()")),
-}
-
-
-def function(tree: ast.Module, names: Sequence[str]) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    """The function at names (a module-level function, then functions defined in its body)."""
-    scope: list[ast.stmt] = tree.body
-    found = None
-    for name in names:
-        matches = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
-        if len(matches) != 1:
-            raise LookupError(f"{' > '.join(names)}: {len(matches)} functions named {name}")
-        found = matches[0]
-        scope = found.body
-    return found
-
-
-def own_returns(node: ast.AST) -> list[ast.Return]:
-    """The return statements of node's own scope (not of functions or lambdas inside it)."""
-    found = []
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.Return):
-            found.append(child)
-        elif not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
-            found += own_returns(child)
-    return found
+PLACES = fetch_release.EXIT_PATH_PLACES
 
 
 def hooked(source: str, role: str) -> str:
@@ -164,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(diff)
     body = ("# The API server's exit path (issue 35): for each release, the diff of its launcher and of its\n"
             "# server file (patches/launcher/, patches/server/) and the sha256 of each file before and after.\n"
-            "# Written by scripts/make_exit_diffs.py; not applied by apply.py yet.\n"
+            "# Written by scripts/make_exit_diffs.py; apply.py applies them with the executor's diff.\n"
             + "\t".join(EXIT_PATH_COLUMNS) + "\n" + "".join("\t".join(row) + "\n" for row in rows))
     with open(fetch_release.EXIT_PATH_TABLE, "w", encoding="utf-8") as f:
         f.write(seal(body))

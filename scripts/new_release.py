@@ -254,7 +254,9 @@ def exact_fit(bundle: str, release_file: str, work: str) -> str | None:
     """The diff that fits the file exactly, or None (apply.py --exact --check)."""
     root = os.path.join(work, "exact")
     copy_tree(release_file, root)
-    done = run([sys.executable, bundle_path(bundle, "apply.py"), "--root", root, "--exact", "--check", "--json"])
+    # The executor's diff is what this script makes: the exit path's files are not in the tree.
+    done = run([sys.executable, bundle_path(bundle, "apply.py"), "--root", root, "--exact", "--check", "--json",
+                "--executor-only"])
     try:
         report = json.loads(done.stdout)
     except ValueError:
@@ -277,7 +279,7 @@ def fixed_file(bundle: str, release_file: str, root: str) -> bytes:
     """The file apply.py --root makes of the release's in a tree at root (an adapted fix
     is proven before it is written)."""
     path = copy_tree(release_file, root)
-    done = run([sys.executable, bundle_path(bundle, "apply.py"), "--root", root])
+    done = run([sys.executable, bundle_path(bundle, "apply.py"), "--root", root, "--executor-only"])
     if done.returncode != 0:
         raise Stop(f"apply.py --root on a copy of the release exited {done.returncode}: "
                    + (done.stderr or done.stdout).strip().splitlines()[0])
@@ -379,7 +381,7 @@ def hand_diff_steps(bundle: str, release: Release, release_file: str, nearest: R
     tree = release_file[: -len(TARGET) - 1]
     steps = [f"mkdir -p {edited} && cp -r {tree}/vllm {edited}/"]
     if adaptation is not None:
-        steps.append(f"python3 apply.py --root {edited}    # a start: {adaptation.fix.name}, adapted and proven")
+        steps.append(f"python3 apply.py --root {edited} --executor-only    # a start: {adaptation.fix.name}, adapted and proven")
     steps += [
         f"$EDITOR {edited}/{TARGET}    # the fix of patches/{nearest.diff}, carried to what changed (above)",
         f"python3 scripts/make_diff.py {release_file} {edited}/{TARGET} > patches/v{version}.diff",

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ BUNDLE = os.path.dirname(TESTS)
 sys.path[:0] = [BUNDLE, os.path.join(BUNDLE, "scripts"), TESTS]  # apply and its package, the scripts, the helpers
 
 from fetch_release import TARGET, release_tree  # noqa: E402
+from helpers import put_release_files  # noqa: E402
 
 # vLLM's own tests and ours in their style run inside vLLM's test tree, with the install's
 # Python (live_server/test_vllm_tests.py), not here.
@@ -20,19 +20,39 @@ collect_ignore = ["live_server/vllm_tests"]
 
 @pytest.fixture
 def make_tree(tmp_path):
-    """make_tree("0.30.0") -> a fresh directory holding vllm/ with that release's real file."""
+    """make_tree("0.30.0") -> a fresh directory holding vllm/ with that release's real files:
+    the executor, and the launcher and server file of the API server's exit path."""
     count = 0
 
     def make(version: str, name: str | None = None) -> str:
         nonlocal count
         count += 1
         root = tmp_path / (name or f"tree{count}-{version}")
-        target = root / TARGET
-        target.parent.mkdir(parents=True)
-        shutil.copyfile(os.path.join(release_tree(version), TARGET), target)
+        put_release_files(str(root), version)
         return str(root)
 
     return make
+
+
+@pytest.fixture
+def public_tree(make_tree):
+    """(a 0.30.0 tree, a copy of patches/) where another user may read: pytest's tmp_path is private."""
+    import shutil
+    import tempfile
+
+    from rank_exception_fatal import bundle
+
+    public = tempfile.mkdtemp()
+    try:
+        root = os.path.join(public, "site")
+        shutil.copytree(make_tree("0.30.0"), root)
+        patches = os.path.join(public, "patches")
+        shutil.copytree(bundle.PATCHES_DIR, patches)
+        for directory, _, _ in os.walk(public):
+            os.chmod(directory, 0o755)
+        yield root, patches
+    finally:
+        shutil.rmtree(public)
 
 
 @pytest.fixture(scope="module")

@@ -63,3 +63,84 @@ def process_stat(pid: int | str) -> tuple[str, list[str]] | None:
     except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
         return None
     return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+
+
+def put_release_files(root: str, version: str, *, executor: bool = True) -> str:
+    """The release's files of the fix into the tree at root: its executor (unless not
+    wanted) and its launcher and server file, as the wheel has them. The executor's path."""
+    import shutil
+
+    import fetch_release
+
+    tree = fetch_release.release_tree(version)
+    executor_file = os.path.join("vllm", "v1", "executor", "multiproc_executor.py")
+    for path in [executor_file] * executor + [path for path, _ in fetch_release.exit_path_files(version)]:
+        os.makedirs(os.path.dirname(os.path.join(root, path)), exist_ok=True)
+        shutil.copyfile(os.path.join(tree, path), os.path.join(root, path))
+    return os.path.join(root, executor_file)
+
+
+def fix_exit_path(tree: str) -> None:
+    """The exit path's files of a release tree fixed as apply.py writes them: for a test of
+    the executor's file, which then alone decides the gate's answer."""
+    from rank_exception_fatal.exit_path import write_exit_path
+
+    write_exit_path(tree, revert=False)
+
+
+def needs_root() -> None:
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root; CI runs as root, and fails on a skip")
+
+
+def run_as_nobody(args: list[str], patches: str) -> int:
+    """apply.main in a forked child that dropped root, as an operator without rights would run it."""
+    import unidiff  # noqa: F401  (imported as root: the test's venv may lie where nobody cannot read)
+
+    import apply
+    from rank_exception_fatal import bundle
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 99
+        try:
+            bundle.PATCHES_DIR = patches
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            code = apply.main(args)
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+# A child that SIGKILLs itself once its Nth write is durable (each write of the bundle's,
+# a removal too, ends with the fsync of its directory), then runs the statement: what a
+# kill -9 or a power loss at that point leaves on disk. argv: the bundle, N, then the
+# statement's own.
+KILLED_AFTER_WRITES = """
+import os, signal, sys
+sys.path[:0] = [sys.argv.pop(1)]
+from rank_exception_fatal import disk
+synced, writes = disk.sync_directory, int(sys.argv.pop(1))
+
+def sync_then_maybe_die(directory):
+    global writes
+    synced(directory)
+    writes -= 1
+    if writes == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+disk.sync_directory = sync_then_maybe_die
+"""
+
+
+def killed_after(writes: int, statement: str, *args: str) -> None:
+    """Run statement (argv: args) in a child killed after its Nth write; it must have been."""
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", KILLED_AFTER_WRITES + statement, BUNDLE, str(writes), *args],
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TARGET, release_bytes
 from fetch_release import TABLE_ROWS
-from helpers import APPLY, BUNDLE, read, write
+from helpers import APPLY, BUNDLE, put_release_files, read, write
 from rank_exception_fatal import bundle
 from rank_exception_fatal.adapt import narrowed
 from rank_exception_fatal.decide import decide_any
@@ -143,7 +143,7 @@ def test_a_release_newer_than_the_table_is_named_and_proven(tmp_path):
     # by its own lines. The gate names that release as newer than the table, and
     # says the fix is proven: by apply before it writes, by itself once it stands.
     root = tmp_path / "site-packages"
-    (root / TARGET).parent.mkdir(parents=True)
+    put_release_files(str(root), NEW)  # its launcher and server file: NEW's
     data = release_bytes(NEW).replace(b"output = func(*args, **kwargs)", b"output = func(*args, **dict(kwargs))", 1)
     assert data != release_bytes(NEW)
     write(str(root / TARGET), data)

@@ -23,8 +23,10 @@ import pytest
 import apply
 import fetch_release
 from rank_exception_fatal import bundle, bytecode, change, disk, installed, match, running, seal, table
+from rank_exception_fatal.exit_path import HELPER
 from conftest import TARGET, release_bytes
-from helpers import APPLY, BUNDLE, INPUTS, read, run_apply, run_loop_test, write
+from helpers import (APPLY, BUNDLE, INPUTS, fix_exit_path, needs_root, put_release_files, read, run_apply, run_as_nobody,
+                     run_loop_test, write)
 
 SHAPES = ("0.26.0", "0.30.0", "0.33.0")
 
@@ -250,12 +252,15 @@ def venv(tmp_path) -> tuple[str, str]:
     return python, site
 
 
+def exit_path_paths(version: str) -> list[str]:
+    """The paths of a release's launcher and server file in its tree."""
+    return [path for path, _ in fetch_release.exit_path_files(version)]
+
+
 def install_release(site: str, version: str) -> str:
-    """A release's real file in site (a site-packages or any directory on sys.path): its path."""
-    path = os.path.join(site, TARGET)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write(path, release_bytes(version))
-    return path
+    """A release's real files of the fix in site (a site-packages or any directory on
+    sys.path): the executor's path."""
+    return put_release_files(site, version)
 
 
 def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, server_stand_in, capsys):
@@ -274,7 +279,7 @@ def test_the_gate_answers_for_the_copy_a_running_server_imports(make_tree, serve
         assert apply.main(["--pid", str(pid)]) == 0
         assert f"applied patches/v{version}.diff" in capsys.readouterr().out
         assert apply.main(["--pid", str(pid), "--check"]) == 1, "it runs the code it loaded"
-        assert capsys.readouterr().out.startswith("needs restart: the file reads applied")
+        assert capsys.readouterr().out.startswith("needs restart: the fix reads applied")
     # Run from the checkout, the gate says that a server started there imports another copy.
     done = run_apply("--check", cwd=checkout, env={**os.environ, "PYTHONPATH": installed})
     assert done.returncode == 0 and f"note: {target(checkout)} would be imported instead" in done.stderr
@@ -296,7 +301,7 @@ def test_the_gate_answers_for_the_running_server(make_tree, server_stand_in, cap
     assert apply.main(["--pid", str(pid), "--check", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert (report["state"], report["exit_code"], report["diff"]) == ("needs-restart", 1, "v0.30.0.diff")
-    assert report["message"].startswith(f"needs restart: the file reads applied (applied (patches/v0.30.0.diff)),"
+    assert report["message"].startswith(f"needs restart: the fix reads applied (applied (patches/v0.30.0.diff); the exit path applied),"
                                         f" but process {pid} started at ")
     assert apply.main(["--pid", str(pid), "--check"]) == 1
     assert capsys.readouterr().out.startswith("needs restart: ")
@@ -327,6 +332,7 @@ def test_a_server_started_before_stale_bytecode_was_removed_needs_a_restart(make
     """The source fixed, the release's unchecked .pyc beside it: apply removes the .pyc and
     writes nothing, but the server that loaded it runs the release's code until restarted."""
     tree = make_tree("0.30.0")
+    fix_exit_path(tree)
     subprocess.run([sys.executable, "-c", UNCHECKED, target(tree)], check=True)
     write(target(tree), patched_bytes("0.30.0", tmp_path))
     pid = server_stand_in("/", {"PYTHONPATH": tree})
@@ -349,6 +355,7 @@ def test_stale_bytecode_removed_by_a_user_who_cannot_mark_the_file(public_tree, 
     needs_root()
     root, patches = public_tree
     path = target(root)
+    fix_exit_path(root)
     pyc = py_compile.compile(path, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
     write(path, patched_bytes("0.30.0", tmp_path))
     os.chown(os.path.dirname(pyc), 65534, 65534)
@@ -755,9 +762,11 @@ def test_a_link_into_a_shared_store_is_not_written_through(linked, make_tree, tm
     environment must not change the others; the operator chooses, by the message's commands."""
     store = make_tree("0.30.0", name="store")
     site = tmp_path / "site-packages"
+    files = [TARGET, *exit_path_paths("0.30.0")]
     if linked == "file":
-        (site / TARGET).parent.mkdir(parents=True)
-        (site / TARGET).symlink_to(target(store))
+        for file in files:
+            (site / file).parent.mkdir(parents=True, exist_ok=True)
+            (site / file).symlink_to(Path(store) / file)
     else:
         site.mkdir()
         (site / "vllm").symlink_to(Path(store) / "vllm", target_is_directory=True)
@@ -768,8 +777,10 @@ def test_a_link_into_a_shared_store_is_not_written_through(linked, make_tree, tm
         assert f"{path} is a link to {target(store)}, outside {site}: a file other environments may share" in err
         assert len(err.splitlines()) == 1 and read(target(store)) == release_bytes("0.30.0")
     assert apply.main(["--root", str(site), "--check"]) == 1, "the gate reads what Python would import"
-    if linked == "file":  # the message's first way: this environment only
-        subprocess.run(["cp", "--remove-destination", target(store), path], check=True)
+    if linked == "file":  # the message's first way (for each file of the fix): this environment only
+        for file in files:
+            assert apply.main(["--root", str(site)]) == 4
+            subprocess.run(["cp", "--remove-destination", str(Path(store) / file), str(site / file)], check=True)
         assert apply.main(["--root", str(site)]) == 0
         assert read(path) == patched_bytes("0.30.0", tmp_path) and read(target(store)) == release_bytes("0.30.0")
     assert err.endswith(f"; or all that share it: --root {store}\n")  # its second: every environment that shares it
@@ -790,11 +801,6 @@ def test_mode_is_kept(make_tree):
     os.chmod(target(root), 0o640)
     assert apply.main(["--root", root]) == 0
     assert stat.S_IMODE(os.stat(target(root)).st_mode) == 0o640
-
-
-def needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("giving a file to another user needs root; CI runs as root, and fails on a skip")
 
 
 def test_owner_and_group_are_kept(make_tree):
@@ -852,6 +858,8 @@ def test_a_user_who_cannot_keep_the_owner_is_refused(owner, public_tree, capfd):
     needs_root()
     root, patches = public_tree
     path = target(root)
+    for directory in {os.path.dirname(os.path.join(root, p)) for p in [HELPER, *exit_path_paths("0.30.0")]}:
+        os.chmod(directory, 0o777)  # the exit path's: nobody may write them (and chown's their files below)
     os.chmod(os.path.dirname(path), 0o777)  # nobody may write in the directory, but the file is not theirs
     os.chown(path, *owner)
     for args in ([], ["--dry-run"]):
@@ -861,6 +869,8 @@ def test_a_user_who_cannot_keep_the_owner_is_refused(owner, public_tree, capfd):
     assert read(path) == release_bytes("0.30.0") and (os.stat(path).st_uid, os.stat(path).st_gid) == owner
     assert leftovers(root) == []
     os.chown(path, 65534, 65534)  # their own file: written, and still theirs
+    for p in exit_path_paths("0.30.0"):
+        os.chown(os.path.join(root, p), 65534, 65534)
     assert run_as_nobody(["--root", root], patches) == 0
     assert (os.stat(path).st_uid, os.stat(path).st_gid) == (65534, 65534)
 
@@ -952,6 +962,7 @@ def test_checked_hash_bytecode_of_the_release_is_stale(make_tree, tmp_path):
 def test_bytecode_python_checks_is_not_stale(make_tree, tmp_path):
     root = make_tree("0.30.0")
     path = target(root)
+    fix_exit_path(root)
     py_compile.compile(path)  # timestamp-checked: Python compiles again once the source changes
     write(path, patched_bytes("0.30.0", tmp_path))
     subprocess.run([sys.executable, "-c", UNCHECKED, path], check=True)  # unchecked, but of this source
@@ -1095,40 +1106,6 @@ def test_the_target_removed_during_the_run(make_tree, monkeypatch, capsys):
     assert report["exit_code"] == 3 and "removed during the run" in report["message"]
     assert not os.path.exists(path), "a removed file is not put back"
     assert leftovers(root) == []
-
-
-def run_as_nobody(args: list[str], patches: str) -> int:
-    """apply.main in a forked child that dropped root, as an operator without rights would run it."""
-    import unidiff  # noqa: F401  (imported as root: the test's venv may lie where nobody cannot read)
-
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 99
-        try:
-            bundle.PATCHES_DIR = patches
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            code = apply.main(args)
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
-@pytest.fixture
-def public_tree(make_tree):
-    """(a 0.30.0 tree, a copy of patches/) where another user may read: pytest's tmp_path is private."""
-    public = tempfile.mkdtemp()
-    try:
-        root = os.path.join(public, "site")
-        shutil.copytree(make_tree("0.30.0"), root)
-        patches = os.path.join(public, "patches")
-        shutil.copytree(bundle.PATCHES_DIR, patches)
-        for directory, _, _ in os.walk(public):
-            os.chmod(directory, 0o755)
-        yield root, patches
-    finally:
-        shutil.rmtree(public)
 
 
 def test_unwritable_target_is_a_clear_error(public_tree, capfd):
@@ -1441,7 +1418,8 @@ ACROSS_NODES = "its executor runs across nodes (peer_worker_response_mqs)"
 
 @pytest.mark.parametrize("case", sorted(BEHAVIOURS))
 def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tmp_path, capsys):
-    """Already fixed otherwise, or never broken: nothing to write, and the gate passes."""
+    """Already fixed otherwise (the exit path is still written), or never broken (nothing
+    to write): the gate passes."""
     version, edit, code, state = BEHAVIOURS[case]
     if version is None:
         root = str(tmp_path / "tree")
@@ -1452,11 +1430,18 @@ def test_a_file_no_diff_fits_is_judged_by_what_its_loop_does(case, make_tree, tm
         data = edit(release_bytes(version))
         assert data != release_bytes(version), "the edit took"
         write(target(root), data)
-    for args in (["--check"], []):
+    if state == "fails-fast":  # the engine still ends, and vllm serve must then exit non-zero
+        assert apply.main(["--root", root, "--check", "--json"]) == 1, "the exit path is still to apply"
+        report = json.loads(capsys.readouterr().out)
+        assert (report["files"][0]["state"], report["diff"]) == (state, None), report
+        assert apply.main(["--root", root, "--json"]) == code
+        report = json.loads(capsys.readouterr().out)
+        assert (report["state"], report["action"], report["diff"]) == (state, "applied", None), report
+    for args in (["--check"], []):  # without the bug, nothing fires: the exit path is not asked for
         assert apply.main(["--root", root, *args, "--json"]) == code
         report = json.loads(capsys.readouterr().out)
         assert (report["state"], report["action"], report["diff"]) == (state, "none", None), report
-        assert read(target(root)) == data
+        assert read(target(root)) == data, "the executor is left as it is"
     assert apply.main(["--root", root, "--revert"]) == 2, "not this bundle's to revert"
     assert apply.main(["--root", root, "--exact", "--check"]) == 2, "--exact: a release's functions only"
 

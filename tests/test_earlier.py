@@ -8,13 +8,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 import apply
 from conftest import TARGET, release_bytes
-from fetch_release import TABLE_ROWS, build_name, build_tree, read_builds
+from fetch_release import TABLE_ROWS, build_name, build_tree, read_builds, release_tree
 from rank_exception_fatal import bundle, earlier, match, table
 from supersede import earlier_fixes
 
@@ -48,9 +49,12 @@ def today_s_fixed_sha256(row: table.EarlierFix) -> str:
 
 
 def make_source_tree(tmp_path, row: table.EarlierFix) -> str:
+    """A tree holding the release's or build's own files: the executor the earlier diff was
+    applied to, and the exit path's launcher and server file."""
     root = tmp_path / "tree"
-    (root / TARGET).parent.mkdir(parents=True)
-    (root / TARGET).write_bytes(source_bytes(row))
+    source = release_tree(row.version) if row.version in TABLE_ROWS else build_tree(BUILDS[row.version])
+    shutil.copytree(os.path.join(source, "vllm"), root / "vllm")
+    assert (root / TARGET).read_bytes() == source_bytes(row)
     return str(root)
 
 

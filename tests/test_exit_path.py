@@ -1,7 +1,7 @@
 """The API server's exit path (issue 35, docs/supervisor.md): its diffs on every release's
 real files, and the helper module's exit status and last lines.
 
-Not applied by apply.py yet. Here: releases/exit_path.tsv is whole and names every diff
+Applied by apply.py with the executor's diff (tests/test_exit_path_files.py). Here: releases/exit_path.tsv is whole and names every diff
 of patches/launcher/ and patches/server/; on each release's launcher and server file
 (from its wheel), the diff the table names passes git apply and patch -F0, gives the
 fixed sha256, puts each hook first in its function (run_server's exit call last) and
@@ -14,7 +14,6 @@ after a stop asked for while the engine was alive.
 """
 from __future__ import annotations
 
-import ast
 import fcntl
 import json
 import os
@@ -30,8 +29,9 @@ from helpers import TESTS
 import fetch_release
 from fetch_release import RELEASES, exit_path_tree, exit_paths
 from make_diff import creation_diff, make_diff
-from make_exit_diffs import HELPER_DIFF, HELPER_PATH, HOOKS, IMPORT, hooked, shape
+from make_exit_diffs import HELPER_DIFF, HELPER_PATH, hooked, shape
 from rank_exception_fatal import bundle
+from rank_exception_fatal.hooks import hooks_out_of_place
 from rank_exception_fatal.table import ROLES
 
 CASES = [(version, role) for version in RELEASES for role in ROLES]
@@ -79,8 +79,8 @@ def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
     assert applied.returncode == 0, applied.stderr
     fixed = read(os.path.join(root, path))
     assert fetch_release.sha256(fixed) == fixed_sha256
-    assert hooks_in_place(fixed.decode("utf-8"), role) == []
-    assert hooks_in_place(release.decode("utf-8"), role) != []
+    assert hooks_out_of_place(fixed.decode("utf-8"), role) == []
+    assert hooks_out_of_place(release.decode("utf-8"), role) != []
     # What the script writes for this release: a diff of the same shape.
     assert shape(make_diff(release.decode("utf-8"), hooked(release.decode("utf-8"), role), path,
                            whole_functions=False)) == shape(read(diff_path).decode("utf-8"))
@@ -88,32 +88,6 @@ def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
     assert read(os.path.join(root, path)) == release
     assert run(root, "patch", "-p1", "-F0", "-s", "-i", diff_path).returncode == 0
     assert read(os.path.join(root, path)) == fixed
-
-
-def hooks_in_place(source: str, role: str) -> list[str]:
-    """What is not where it belongs: read from the file's syntax tree, not from the script's
-    placing: each hook's import and call are the first statements of its function (after a
-    docstring), run_server's exit call its last, and nothing else calls the module."""
-    tree = ast.parse(source)
-    problems = []
-    for names, where, call in HOOKS[role]:
-        scope, fn = tree.body, None
-        for name in names:
-            fn = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
-            scope = fn.body
-        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                           and isinstance(s.value.value, str))]
-        texts = [ast.unparse(s) for s in body]
-        expected_import = ast.unparse(ast.parse(IMPORT.partition("  #")[0]))
-        if where == "first" and texts[:2] != [expected_import, call]:
-            problems.append(f"{' > '.join(names)} does not start with the hook: {texts[:2]}")
-        if where == "last" and texts[-1] != call:
-            problems.append(f"{' > '.join(names)} does not end with {call}: {texts[-1]}")
-    calls = sum(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "_rank_exception_fatal"
-                for n in ast.walk(tree))
-    if calls != len(HOOKS[role]):
-        problems.append(f"{calls} calls of the module, not {len(HOOKS[role])}")
-    return problems
 
 
 def test_helper_diff_is_the_creation_of_its_module(helper_root, tmp_path):

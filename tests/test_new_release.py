@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import TARGET, release_tree
-from helpers import BUNDLE
+from helpers import BUNDLE, put_release_files
 from fetch_release import TABLE_ROWS, cache_dir
 from make_diff import make_diff, seal_table
 from new_release import row_line, version_key
@@ -94,9 +94,7 @@ def table_text(bundle: str) -> str:
 def fixed_by_apply(bundle: str, version: str, root: str) -> tuple[int, dict, bytes]:
     """apply.py --exact --check --json, then apply.py, of the bundle on a copy of the release's
     file: (the check's exit status, its report, the fixed file)."""
-    path = os.path.join(root, TARGET)
-    os.makedirs(os.path.dirname(path))
-    shutil.copyfile(os.path.join(release_tree(version), TARGET), path)
+    path = put_release_files(root, version)
     apply = os.path.join(bundle, "apply.py")
     check = subprocess.run([sys.executable, apply, "--root", root, "--exact", "--check", "--json"],
                            capture_output=True, text=True)

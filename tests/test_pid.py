@@ -16,7 +16,7 @@ import pytest
 
 import apply
 from conftest import TARGET, release_bytes
-from helpers import read
+from helpers import put_release_files, read
 
 SLEEP = "import time; time.sleep(600)"
 
@@ -138,8 +138,7 @@ def test_a_linked_virtualenv_switched_after_the_start_needs_a_restart(make_tree,
         site = subprocess.run([os.path.join(where, "bin", "python"), "-c",
                                "import sysconfig; print(sysconfig.get_path('purelib'))"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        os.makedirs(os.path.dirname(target(site)))
-        shutil.copyfile(target(make_tree("0.30.0")), target(site))
+        put_release_files(site, "0.30.0")
         sites.append(site)
     assert apply.main(["--root", sites[1]]) == 0
     venv = str(tmp_path / "srv" / "venv")
@@ -279,9 +278,7 @@ SANDBOX = ("mount -t tmpfs tmpfs /tmp; mount -t tmpfs tmpfs /var/tmp;"
 def test_a_systemd_sandboxed_server_is_checked_and_fixed_as_usual(outside_tmp, start, capsys):
     """Its own mount namespace, but the very same files at the tree's paths."""
     tree = os.path.join(outside_tmp, "tree")
-    os.makedirs(os.path.dirname(target(tree)))
-    with open(target(tree), "wb") as f:
-        f.write(release_bytes("0.30.0"))
+    put_release_files(tree, "0.30.0")
     pid = in_a_mount_namespace(start, SANDBOX, {"PYTHONPATH": tree})
     assert not os.path.samestat(os.stat(f"/proc/{pid}/root/tmp"), os.stat("/tmp")), "its own /tmp"
     code, report = check(pid, capsys)
@@ -301,9 +298,7 @@ def test_a_server_that_sees_another_file_at_the_path_is_refused(over, outside_tm
     the one it imports (the release's); neither is checked nor written."""
     host, inside = os.path.join(outside_tmp, "host"), os.path.join(outside_tmp, "container")
     for tree in (host, inside):
-        os.makedirs(os.path.dirname(target(tree)))
-        with open(target(tree), "wb") as f:
-            f.write(release_bytes("0.30.0"))
+        put_release_files(tree, "0.30.0")
     assert apply.main(["--root", host]) == 0
     fixed = read(target(host))
     source, over_path = (target(inside), target(host))

@@ -34,7 +34,7 @@ print(json.dumps({"code": code, "imported": imported}))
 # gc, built in: each other module costs it a part of a millisecond or more to import.
 GATE_STDLIB = {"_sha2", "_sha256", "gc"}
 GATE_MODULES = {"rank_exception_fatal", *(f"rank_exception_fatal.{m}" for m in (
-    "cli", "outcome", "locate", "seal", "check", "bundle", "table"))}
+    "cli", "outcome", "locate", "seal", "check", "bundle", "table", "fileset", "exit_path"))}
 FIXED_FILE_GATE_MODULES = {*GATE_MODULES, "rank_exception_fatal.bytecode"}  # stale .pyc could run instead
 
 

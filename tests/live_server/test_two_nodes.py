@@ -56,8 +56,8 @@ WATCH_SECONDS = {"release": EXECUTE_MODEL_TIMEOUT_SECONDS + 10.0, "patched": 60.
 
 
 def run(installed, state: str, fault: str):
-    """(the timeline, the nodes' last lines, the leader's lines); patched: the executor as
-    apply.py leaves it, with the exit path's diffs (issue 35: not applied by apply.py yet)."""
+    """(the timeline, the nodes' last lines, the leader's lines); patched: the install as
+    apply.py leaves it (the executor and the exit path)."""
     _, work, model = installed
     set_fix(state)
     t, nodes = fault_on_two_new_nodes(
