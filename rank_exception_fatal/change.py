@@ -91,10 +91,13 @@ def run_diff(path: str, fixes: Sequence, *, exact: bool = False) -> Report:
                   after=new, adapted=adapted)
 
 
-def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert: bool, exact: bool = False) -> Report:
+def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert: bool, exact: bool = False,
+               planned: tuple[bytes, bytes] | None = None) -> Report:
     """Apply (or revert) the fix: nothing to do if the file is on the wanted side already
     and no stale bytecode or left-over temporary file is about; else, under the lock,
-    decided again, planned and written."""
+    decided again, planned and written. planned: (the file's bytes, the new bytes plan()
+    made of them) by the caller, used if the file still holds those bytes (the loop test's
+    proof of an adapted fix costs seconds)."""
     real = os.path.realpath(path)  # a symlink within the tree stays a link; the file behind it changes
     directory = os.path.dirname(real)
     sources = sorted({path, real})  # Python caches bytecode by the path it imported
@@ -114,7 +117,7 @@ def run_change(path: str, fixes: Sequence, pycache_prefix: str | None, *, revert
             return not_proven(read) or settle(read, sources, pycache_prefix, revert)
         if read.decision.state == DRIFTED_STATE:
             return drifted(path, read.data, read.text, fixes)
-        new = plan(read, revert=revert, exact=exact)
+        new = planned[1] if planned and planned[0] == read.data else plan(read, revert=revert, exact=exact)
         if not isinstance(new, bytes):
             return new
         return write(read, new, sources, pycache_prefix, revert)

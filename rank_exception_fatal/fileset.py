@@ -112,10 +112,11 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
         # (not where it only removes stale bytecode).
         writes_executor = (not revert and executor.state == NOT_APPLIED_STATE
                            and not executor.message.startswith(STALE_BYTECODE))
+        planned = None
         if writes_executor:
-            unplanned = executor_plan_fails(path, fixes, exact)
-            if unplanned is not None:
-                return set_report(path, unplanned, parts)
+            planned = executor_planned(path, fixes, exact)
+            if isinstance(planned, Report):
+                return set_report(path, planned, parts)
         writable_or_refused(tree, parts, revert, [(path, TARGET, None)] if writes_executor else [])
         if revert:
             executor = run_change(path, fixes, pycache_prefix, revert=True, exact=exact)
@@ -126,7 +127,7 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
             before, kept = write_exit_path(tree, revert=False, pycache_prefix=pycache_prefix, exact=exact)
             if any(part.state == DRIFTED_STATE for part in before):  # changed meanwhile by a writer without the lock
                 return set_report(path, executor, before)
-            executor = executor_written(path, fixes, pycache_prefix, exact, tree, before)
+            executor = executor_written(path, fixes, pycache_prefix, exact, tree, before, planned)
         after = read_exit_path(tree, exact=exact)
     written = [new for old, new in zip(before, after) if old.data != new.data]
     report = set_report(path, executor, after, revert=revert, written=written, before=before)
@@ -138,26 +139,27 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
     return report
 
 
-def executor_plan_fails(path: str, fixes, exact: bool) -> "Report | None":
-    """The drift Report if the executor's new bytes cannot be planned (decided again,
-    compiled, proven by the loop test where the table does not know the file); None if
-    they can. Asked before the exit path is written: after, it would be a drift with
-    files written."""
+def executor_planned(path: str, fixes, exact: bool) -> "tuple[bytes, bytes] | Report":
+    """(the executor's bytes, the new bytes planned for them: decided again, compiled,
+    proven by the loop test where the table does not know the file), or the drift Report
+    if there are none. Asked before the exit path is written: after, it would be a drift
+    with files written."""
     from .change import plan, read_and_decide
 
-    new = plan(read_and_decide(path, fixes, exact), revert=False, exact=exact)
-    return None if isinstance(new, bytes) else new
+    read = read_and_decide(path, fixes, exact)
+    new = plan(read, revert=False, exact=exact)
+    return (read.data, new) if isinstance(new, bytes) else new
 
 
 def executor_written(path: str, fixes, pycache_prefix: "str | None", exact: bool, tree: str,
-                     before: list[Part]) -> Report:
+                     before: list[Part], planned: "tuple[bytes, bytes] | None") -> Report:
     """The executor applied, last; a Failure then (a full disk, another writer) says that the
     exit path is already written, which the next run completes and --revert takes back."""
     from .change import run_change
     from .outcome import Failure
 
     try:
-        return run_change(path, fixes, pycache_prefix, revert=False, exact=exact)
+        return run_change(path, fixes, pycache_prefix, revert=False, exact=exact, planned=planned)
     except Failure as e:
         written = [part.role for old, part in zip(before, read_exit_path(tree)) if old.data != part.data]
         done = f"; the exit path was written first ({', '.join(written)}): run apply.py again" if written else ""
