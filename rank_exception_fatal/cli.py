@@ -279,7 +279,9 @@ def print_json(report: Report, path: "str | None") -> None:
         "adapted": report.adapted,
         "sha256_before": digest(report.before),
         "sha256_after": digest(report.after),
-        "files": report.files,
+        "files": None if report.files is None else [
+            {"role": file.role, "path": file.path, "state": file.state, "diff": file.diff, "adapted": file.adapted,
+             "sha256_before": digest(file.before), "sha256_after": digest(file.after)} for file in report.files],
         "message": report.message,
         "exit_code": report.code,
     }))

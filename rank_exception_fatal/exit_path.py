@@ -70,22 +70,18 @@ def read_diff(name: str) -> str:
         raise Failure(BAD_BUNDLE, f"cannot read patches/{name}: {e}; copy the bundle again") from None
 
 
-def diff_target(text: str) -> "str | None":
-    """The path a diff writes, from its +++ line."""
-    return next((line[len("+++ b/"):] for line in text.splitlines() if line.startswith("+++ b/")), None)
-
-
 def helper_bytes() -> bytes:
     """The helper module as patches/helper/helper.diff creates it: the + lines of its one
-    hunk. (Read by hand: the gate reads it on every run, and unidiff's import costs more.)"""
-    lines = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF)).split("\n")
-    count = lines[2][len("@@ -0,0 +1,"):-len(" @@")] if len(lines) > 3 else ""
-    added = lines[3:-1] if lines[-1] == "" else []  # the diff ends with a newline
-    if (lines[:2] != ["--- /dev/null", f"+++ b/{HELPER}"] or not lines[2].startswith("@@ -0,0 +1,")
-            or not lines[2].endswith(" @@") or not count.isdigit() or len(added) != int(count)
-            or not all(line.startswith("+") for line in added)):
+    hunk. (Read by hand, with str methods over the whole text: the gate reads it on every
+    run, and unidiff's import, or a loop over its lines, costs more.)"""
+    prefix = f"--- /dev/null\n+++ b/{HELPER}\n@@ -0,0 +1,"
+    body = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF))
+    count, _, added = body[len(prefix):].partition(" @@\n") if body.startswith(prefix) else ("", "", "")
+    lines = int(count) if count.isdigit() else 0
+    # count lines, every one of them starting with +, and a newline at the end.
+    if not lines or not added.endswith("\n") or added.count("\n") != lines or ("\n" + added).count("\n+") != lines:
         raise Failure(BAD_BUNDLE, f"patches/{HELPER_DIFF} is not the creation of {HELPER}: copy the bundle again")
-    return "".join(line[1:] + "\n" for line in added).encode("utf-8")
+    return ("\n" + added).replace("\n+", "\n")[1:].encode("utf-8")
 
 
 def read_file(path: str) -> "bytes | None":
@@ -112,25 +108,25 @@ def read_helper(tree: str) -> Part:
 
 
 def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, exact: bool) -> Part:
-    """The role's file: the one of its paths (every diff's of the role) whose sha256 the table
-    lists, decided by it; planned: with both of its sides made by the diff and checked
-    against the table (the gate needs neither)."""
+    """The role's file: the one of its paths (the table's, for every release) whose sha256
+    the table lists for that path, decided by it; planned: with both of its sides made by
+    the diff and checked against the table (the gate needs neither, and reads only the
+    diff it names, to know it whole)."""
     known: dict[str, tuple[str, str, str]] = {}  # sha256 -> (state, diff, a release whose file it is)
-    paths: dict[str, str] = {}  # diff -> the path it writes
+    places: dict[str, str] = {}  # diff -> the path it writes
     for version, row in rows.items():
         diff, release_sha256, fixed_sha256 = row.role(role)
+        if places.setdefault(diff, row.place(role)) != row.place(role):
+            raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives patches/{diff} two paths")
         for digest, state in ((release_sha256, NOT_APPLIED_STATE), (fixed_sha256, APPLIED_STATE)):
             if known.setdefault(digest, (state, diff, version))[:2] != (state, diff):
                 raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives the {role} file {digest} to two diffs or sides")
-        paths.setdefault(diff, "")
-    texts = {diff: read_diff(diff) for diff in paths}
-    for diff, text in texts.items():
-        paths[diff] = diff_target(text) or ""
     found = []
-    for path in sorted(set(paths.values())):
+    for path in sorted(set(places.values())):
         data = read_file(os.path.join(tree, path))
         if data is not None:
-            found.append((path, data, known.get(sha256_hex(data))))
+            entry = known.get(sha256_hex(data))
+            found.append((path, data, entry if entry is not None and places[entry[1]] == path else None))
     defining = [path for path, data, _ in found if DEFINES[role] in data]
     if len(defining) > 1:  # which one vLLM imports depends on its release: not to be guessed
         function = DEFINES[role].decode()[len("def "):-1]
@@ -140,22 +136,23 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     found = [entry for entry in found if not defining or entry[0] in defining]
     matched = [(path, data, entry) for path, data, entry in found if entry is not None]
     if not matched and found and not exact:
-        placed = placed_by_its_lines(role, [(path, data) for path, data, _ in found], paths, texts)
+        placed = placed_by_its_lines(role, [(path, data) for path, data, _ in found], places)
         if placed is not None:
             return placed
     if len(matched) != 1:
-        where = sorted(set(paths.values()))[0] if not found else found[0][0]
+        where = sorted(set(places.values()))[0] if not found else found[0][0]
         why = (f"two {role} files of releases stand in the tree ({', '.join(p for p, _, _ in matched)})" if matched
                else f"{where} is no release's {role} file this bundle knows" if found
-               else f"no {role} file at {' or '.join(sorted(set(paths.values())))}")
+               else f"no {role} file at {' or '.join(sorted(set(places.values())))}")
         return Part(role, where, found[0][1] if found else None, DRIFTED_STATE, why=why)
     path, data, (state, diff, version) = matched[0]
-    check_integrity(diff, texts[diff])  # exit 5 if it is not whole, as apply will need it
+    text = read_diff(diff)
+    check_integrity(diff, text)  # exit 5 if it is not whole, as apply will need it
     if not plan:
         return Part(role, path, data, state, diff=diff)
     from .match import rewrite, split_lines  # here: the gate plans nothing
 
-    fix = parse_fix(diff, texts[diff], target=path)
+    fix = parse_fix(diff, text, target=path)
     other = rewrite(split_lines(data.decode("utf-8")), fix, revert=state == APPLIED_STATE).encode("utf-8")
     _, release_sha256, fixed_sha256 = rows[version].role(role)
     released, fixed = (other, data) if state == APPLIED_STATE else (data, other)
@@ -164,8 +161,7 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     return Part(role, path, data, state, diff=diff, fixed=fixed, released=released)
 
 
-def placed_by_its_lines(role: str, found: list[tuple[str, bytes]], paths: dict[str, str],
-                        texts: dict[str, str]) -> "Part | None":
+def placed_by_its_lines(role: str, found: list[tuple[str, bytes]], places: dict[str, str]) -> "Part | None":
     """A file the table does not know that a diff of the role fits by its own lines (each
     hunk's lines stand once, in order), proven by where the hooks then stand; drift if they
     do not stand where they belong; None if no diff fits (or diffs fit in ways that differ)."""
@@ -178,8 +174,8 @@ def placed_by_its_lines(role: str, found: list[tuple[str, bytes]], paths: dict[s
             lines = split_lines(data.decode("utf-8"))
         except UnicodeDecodeError:
             continue
-        for diff in (diff for diff, target in paths.items() if target == path):
-            fix = parse_fix(diff, texts[diff], target=path)
+        for diff in (diff for diff, target in places.items() if target == path):
+            fix = parse_fix(diff, read_diff(diff), target=path)
             state = fingerprint(lines, fix)
             if state:
                 other = rewrite(lines, fix, revert=state == APPLIED_STATE).encode("utf-8")

@@ -7,8 +7,7 @@ import os
 
 from .exit_path import Part, read_exit_path, to_write, write_exit_path
 from .outcome import (APPLIED, APPLIED_STATE, DRIFTED, DRIFTED_STATE, NOT_AFFECTED_STATE, NOT_APPLIED,
-                      NOT_APPLIED_STATE, OK, REVERTED, STALE_BYTECODE, TARGET, WOULD_APPLY, Report)
-from .seal import sha256_hex
+                      NOT_APPLIED_STATE, OK, REVERTED, STALE_BYTECODE, TARGET, WOULD_APPLY, FileReport, Report)
 
 # What to do when the exit path drifted (a vendor's launcher, a release newer than the table).
 DRIFT_NEXT = ("  next: put back the release's files (pip install --force-reinstall --no-deps NAME==VERSION), or {what}"
@@ -34,7 +33,7 @@ def set_report(path: str, executor: Report, parts: list[Part], *, revert: bool =
                written: "list[Part] | None" = None, before: "list[Part] | None" = None) -> Report:
     """The set's Report, from the executor's and the exit path's files: drift if any file
     drifted; else the executor's error; else not applied while any file is not (naming
-    them); else the executor's. With --json's files."""
+    them); else the executor's. With each file's FileReport."""
     drifts = [part.why for part in parts if part.state == DRIFTED_STATE]
     if executor.code == DRIFTED or drifts:
         message = executor.message if executor.code == DRIFTED else "source drifted: the exit path; nothing was written"
@@ -61,7 +60,7 @@ def set_report(path: str, executor: Report, parts: list[Part], *, revert: bool =
                                      message=f"not {'reverted' if revert else 'applied'}: {words}; the executor: {executor.message}")
         if written:
             report = report.replaced(action=REVERTED if revert else APPLIED)
-    return report.replaced(files=files_json(path, executor, parts, before or parts))
+    return report.replaced(files=file_reports(path, executor, parts, before or parts))
 
 
 def check_set(path: str, pycache_prefix: "str | None", *, exact: bool) -> Report:
@@ -80,7 +79,7 @@ def decide_set(path: str, pycache_prefix: "str | None", *, exact: bool, plan: bo
         return executor, executor, []
     parts = read_exit_path(tree_of(path), plan=plan, exact=exact)
     if executor.state == NOT_AFFECTED_STATE:  # a release without the bug: no fix fires, so no exit to carry
-        return executor.replaced(files=files_json(path, executor, parts, parts)), executor, parts
+        return executor.replaced(files=file_reports(path, executor, parts, parts)), executor, parts
     report = set_report(path, executor, parts, revert=revert)
     if report.code == OK and not revert:  # a .pyc of the release's code would run in place of a fixed file
         from .exit_path import stale_bytecode_of
@@ -208,14 +207,14 @@ def diff_set(path: str, fixes, *, exact: bool) -> Report:
     would_be = [Part(part.role, part.path, part.fixed, APPLIED_STATE, diff=part.diff, adapted=part.adapted)
                 for part in parts]
     return executor.replaced(state=NOT_APPLIED_STATE, action=WOULD_APPLY, message="".join(changes),
-                             files=files_json(path, executor, would_be, parts))
+                             files=file_reports(path, executor, would_be, parts))
 
 
 def running_set(pid: str, report: Report) -> Report:
     """--check --pid on an applied set: 0 only if the process started after each file last changed."""
     from .running import as_running
 
-    for file in [entry["path"] for entry in report.files if entry["sha256_after"] is not None]:
+    for file in [entry.path for entry in report.files if entry.after is not None]:
         report = as_running(pid, file, report, what="the fix")
         if report.code != OK:
             break
@@ -237,16 +236,10 @@ def seen_alike_by(pid: str, path: str) -> None:
         sees_the_same_files(pid, [*files, *{os.path.dirname(file) for file in files}])
 
 
-def files_json(path: str, executor: Report, parts: list[Part], before: list[Part]) -> list[dict]:
-    """--json's files: the executor at path (as its own Report has it), then each exit path file."""
-    def digest(data: "bytes | None") -> "str | None":
-        return None if data is None else sha256_hex(data)
-
+def file_reports(path: str, executor: Report, parts: list[Part], before: list[Part]) -> list[FileReport]:
+    """Report.files: the executor at path (as its own Report has it), then each exit path file."""
     tree = tree_of(path)
-    files = [{"role": "executor", "path": path, "state": executor.state, "diff": executor.diff,
-              "adapted": executor.adapted, "sha256_before": digest(executor.before),
-              "sha256_after": digest(executor.after)}]
-    for old, part in zip(before, parts):
-        files.append({"role": part.role, "path": os.path.join(tree, part.path), "state": part.state, "diff": part.diff,
-                      "adapted": part.adapted, "sha256_before": digest(old.data), "sha256_after": digest(part.data)})
-    return files
+    return [FileReport("executor", path, executor.state, executor.diff, executor.adapted, executor.before,
+                       executor.after),
+            *(FileReport(part.role, os.path.join(tree, part.path), part.state, part.diff, part.adapted, old.data,
+                         part.data) for old, part in zip(before, parts))]

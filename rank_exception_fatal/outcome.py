@@ -55,14 +55,14 @@ class Decision:
 class Report:
     """What a run found and did: exit code, state, the message, the action taken, the diff
     used, the file's bytes before and after, and whether the diff was placed by its own
-    lines (adapted): the executor's. files: each file of the set, as --json prints them
-    (None: the executor's alone)."""
+    lines (adapted): the executor's. files: a FileReport for each file of the set (None:
+    the executor's alone)."""
 
     __slots__ = ("code", "state", "message", "action", "diff", "before", "after", "adapted", "files")
 
     def __init__(self, *, code: int, state: str, message: str, action: str = NO_ACTION, diff: "str | None" = None,
                  before: "bytes | None" = None, after: "bytes | None" = None, adapted: bool = False,
-                 files: "list | None" = None) -> None:
+                 files: "list[FileReport] | None" = None) -> None:
         self.code, self.state, self.message, self.action = code, state, message, action
         self.diff, self.before, self.after, self.adapted, self.files = diff, before, after, adapted, files
 
@@ -73,3 +73,20 @@ class Report:
 
     def __repr__(self) -> str:
         return f"Report(code={self.code!r}, state={self.state!r}, message={self.message!r}, action={self.action!r})"
+
+
+class FileReport:
+    """One file of the set in a Report: its role (executor, helper, launcher, server), its
+    absolute path, state, diff, whether the diff was adapted, and its bytes before and after
+    the run (None: absent). --json prints each with the sha256s of those bytes, hashed
+    only then: the gate prints none."""
+
+    __slots__ = ("role", "path", "state", "diff", "adapted", "before", "after")
+
+    def __init__(self, role: str, path: str, state: str, diff: "str | None", adapted: bool, before: "bytes | None",
+                 after: "bytes | None") -> None:
+        self.role, self.path, self.state, self.diff, self.adapted = role, path, state, diff, adapted
+        self.before, self.after = before, after
+
+    def __repr__(self) -> str:
+        return f"FileReport({self.role!r}, {self.path!r}, {self.state!r})"

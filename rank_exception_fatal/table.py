@@ -150,25 +150,29 @@ def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequenc
 
 # The API server's exit path (issue 35, docs/supervisor.md): releases/exit_path.tsv, one
 # row a release, made by scripts/make_exit_diffs.py; read by exit_path.
-EXIT_PATH_COLUMNS = ("version", "launcher_diff", "launcher_sha256", "launcher_fixed_sha256",
-                     "server_diff", "server_sha256", "server_fixed_sha256")
+EXIT_PATH_COLUMNS = ("version", "launcher_path", "launcher_diff", "launcher_sha256", "launcher_fixed_sha256",
+                     "server_path", "server_diff", "server_sha256", "server_fixed_sha256")
 ROLES = ("launcher", "server")
 
 
 class ExitPath:
     """A row of releases/exit_path.tsv: the release's version; for each role (the launcher,
     whose terminate_if_errored and stop signal handler the diff hooks, and the server
-    file, whose run_server it hooks) the diff in patches/ROLE/, the sha256 of the
-    release's file and of the file the diff makes of it. (A plain class: see outcome.Report.)"""
+    file, whose run_server it hooks) the file's path in the tree (the diff's target: the
+    gate looks there without reading the diffs), the diff in patches/ROLE/, the sha256 of
+    the release's file and of the file the diff makes of it. (A plain class: see
+    outcome.Report.)"""
 
     __slots__ = EXIT_PATH_COLUMNS
 
-    def __init__(self, version: str, launcher_diff: str, launcher_sha256: str, launcher_fixed_sha256: str,
-                 server_diff: str, server_sha256: str, server_fixed_sha256: str) -> None:
+    def __init__(self, version: str, launcher_path: str, launcher_diff: str, launcher_sha256: str,
+                 launcher_fixed_sha256: str, server_path: str, server_diff: str, server_sha256: str,
+                 server_fixed_sha256: str) -> None:
         self.version = version
-        self.launcher_diff, self.launcher_sha256, self.launcher_fixed_sha256 = (
-            launcher_diff, launcher_sha256, launcher_fixed_sha256)
-        self.server_diff, self.server_sha256, self.server_fixed_sha256 = server_diff, server_sha256, server_fixed_sha256
+        self.launcher_path, self.launcher_diff, self.launcher_sha256, self.launcher_fixed_sha256 = (
+            launcher_path, launcher_diff, launcher_sha256, launcher_fixed_sha256)
+        self.server_path, self.server_diff, self.server_sha256, self.server_fixed_sha256 = (
+            server_path, server_diff, server_sha256, server_fixed_sha256)
 
     def __repr__(self) -> str:
         return f"ExitPath({self.version!r}, {self.launcher_diff!r}, {self.server_diff!r})"
@@ -177,6 +181,10 @@ class ExitPath:
         """(the diff under patches/, the release's sha256, the fixed sha256) for a role."""
         return (f"{role}/{getattr(self, role + '_diff')}", getattr(self, role + "_sha256"),
                 getattr(self, role + "_fixed_sha256"))
+
+    def place(self, role: str) -> str:
+        """The role's file's path in the tree (vllm/...), which its diff writes."""
+        return getattr(self, role + "_path")
 
 
 def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed: bool = True) -> dict[str, ExitPath]:
@@ -189,13 +197,15 @@ def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed
     rows = checked_rows(table, EXIT_PATH_COLUMNS, sealed=sealed, writer="scripts/make_exit_diffs.py")
     paths: dict[str, ExitPath] = {}
     for row in rows:
-        path = ExitPath(*row) if len(row) == len(EXIT_PATH_COLUMNS) else None
-        digests = "" if path is None else "".join(path.role(role)[1] + path.role(role)[2] for role in ROLES)
-        if path is None or len(digests) != 4 * 64 or digests.strip(HEX_DIGITS):
+        entry = ExitPath(*row) if len(row) == len(EXIT_PATH_COLUMNS) else None
+        digests = "" if entry is None else "".join(entry.role(role)[1] + entry.role(role)[2] for role in ROLES)
+        places = [] if entry is None else [entry.place(role) for role in ROLES]
+        if (entry is None or len(digests) != 4 * 64 or digests.strip(HEX_DIGITS)
+                or not all(place.startswith("vllm/") and "/../" not in place for place in places)):
             raise ValueError(f"has a malformed row: {row[0]!r}")
-        if path.version in paths:
-            raise ValueError(f"lists {path.version} twice")
-        paths[path.version] = path
+        if entry.version in paths:
+            raise ValueError(f"lists {entry.version} twice")
+        paths[entry.version] = entry
     if releases is not None and list(paths) != list(releases):
         raise ValueError("must list the releases of releases/releases.tsv, in its order")
     return paths

@@ -292,15 +292,6 @@ def exit_paths() -> dict:
         return read_exit_paths(f.read(), TABLE_ROWS)
 
 
-def diff_target(diff: str) -> str:
-    """The path a diff of patches/ writes (its +++ line), relative to the tree."""
-    with open(os.path.join(HERE, "patches", diff), encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("+++ b/"):
-                return line[len("+++ b/"):].rstrip("\n")
-    raise ValueError(f"patches/{diff} has no +++ line")
-
-
 def exit_path_tree(version: str) -> str:
     """executor_tree, also holding the release's launcher and server files (releases/exit_path.tsv),
     each checked against the sha256 that table records for it; fetched on first use, from
@@ -309,8 +300,7 @@ def exit_path_tree(version: str) -> str:
     row = exit_paths()[version]
     wanted = {}
     for role in ROLES:
-        diff, digest, _ = row.role(role)
-        path = diff_target(diff)
+        path, digest = row.place(role), row.role(role)[1]
         try:
             with open(os.path.join(tree, path), "rb") as f:
                 if sha256(f.read()) == digest:
@@ -334,7 +324,7 @@ def exit_path_tree(version: str) -> str:
 def exit_path_files(version: str) -> list[tuple[str, str]]:
     """(its path in a tree, the cached copy) of the release's launcher and server file."""
     tree = exit_path_tree(version)
-    paths = [diff_target(exit_paths()[version].role(role)[0]) for role in ROLES]
+    paths = [exit_paths()[version].place(role) for role in ROLES]
     return [(path, os.path.join(tree, path)) for path in paths]
 
 

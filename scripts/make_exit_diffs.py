@@ -8,7 +8,9 @@ the diff as scripts/make_diff.py makes the executor's, sealed, with three lines 
 (the exit path's files are known by sha256, so a wider fingerprint buys nothing).
 A diff serves every release whose hunks are the same text (line numbers aside), and is
 named by the oldest: patches/launcher/vX.diff, patches/server/vX.diff. Then it writes
-releases/exit_path.tsv (sealed), one row a release. --helper FILE first writes
+releases/exit_path.tsv (sealed), one row a release: for each role the file's path (the
+diff's target, so that the gate need not read the diffs), the diff, and the sha256 of the
+release's file and of the fixed one. --helper FILE first writes
 patches/helper/helper.diff, the creation of vllm/entrypoints/_rank_exception_fatal.py,
 from FILE: that diff is the module's only copy in the bundle (edit a copy of it, then
 run this).
@@ -118,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fixed = hooked(text, role)
             diff = make_diff(text, fixed, path, whole_functions=False)
             name, _ = diffs[role].setdefault(shape(diff), (f"v{version}.diff", diff))
-            row += [name, fetch_release.sha256(data), fetch_release.sha256(fixed.encode("utf-8"))]
+            row += [path, name, fetch_release.sha256(data), fetch_release.sha256(fixed.encode("utf-8"))]
         rows.append(row)
     for role in ROLES:
         directory = os.path.join(HERE, "patches", role)
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
                 f.write(diff)
     body = ("# The API server's exit path (issue 35): for each release, the diff of its launcher and of its\n"
-            "# server file (patches/launcher/, patches/server/) and the sha256 of each file before and after.\n"
+            "# server file (patches/launcher/, patches/server/), the file's path, and its sha256 before and after.\n"
             "# Written by scripts/make_exit_diffs.py; apply.py applies them with the executor's diff.\n"
             + "\t".join(EXIT_PATH_COLUMNS) + "\n" + "".join("\t".join(row) + "\n" for row in rows))
     with open(fetch_release.EXIT_PATH_TABLE, "w", encoding="utf-8") as f:

@@ -58,6 +58,9 @@ def test_the_table_names_every_diff_and_every_release():
             # Named after the oldest release it serves, as the executor's are.
             oldest = next(v for v in RELEASES if exit_paths()[v].role(role)[0] == diff)
             assert diff == f"{role}/v{oldest}.diff"
+            # The path the table gives the diff's releases (where the gate looks) is the one the diff writes.
+            target = read(os.path.join(bundle.PATCHES_DIR, diff)).decode("utf-8").split("\n+++ b/", 1)[1].split("\n")[0]
+            assert {exit_paths()[v].place(role) for v in RELEASES if exit_paths()[v].role(role)[0] == diff} == {target}
     assert list(exit_paths()) == list(RELEASES)
 
 
@@ -65,7 +68,7 @@ def test_the_table_names_every_diff_and_every_release():
 def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
     diff, release_sha256, fixed_sha256 = exit_paths()[version].role(role)
     diff_path = os.path.join(bundle.PATCHES_DIR, diff)
-    path = fetch_release.diff_target(diff)
+    path = exit_paths()[version].place(role)
     root = str(tmp_path)
     os.makedirs(os.path.dirname(os.path.join(root, path)))
     release = read(os.path.join(exit_path_tree(version), path))

@@ -22,7 +22,6 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/
 
-import fetch_release  # noqa: E402
 from conftest import release_bytes  # noqa: E402
 from fetch_release import cache_dir, exit_path_tree, exit_paths  # noqa: E402
 from helpers import run_apply  # noqa: E402
@@ -117,8 +116,7 @@ def exit_path_files() -> dict[str, tuple[str, str, bytes]]:
     """role -> (its diff under patches/, its path under site-packages, the release's bytes)."""
     found = {}
     for role in ROLES:
-        diff = exit_paths()[VERSION].role(role)[0]
-        path = fetch_release.diff_target(diff)
+        diff, path = exit_paths()[VERSION].role(role)[0], exit_paths()[VERSION].place(role)
         with open(os.path.join(exit_path_tree(VERSION), path), "rb") as f:
             found[role] = (diff, path, f.read())
     return found
