@@ -9,8 +9,12 @@ path (the upgrade from such a bundle) it exits 1 as the engine died, its
 last two lines say so (rank 1, execute_model: the executor's cause note), supervisord
 starts it again and the new server answers. Then rank 1's worker is SIGKILLed and the API
 server gets a SIGTERM as soon as the worker monitor's note is there, before it has heard of
-the death: still status 1, the dead worker named, restarted again. A stop through supervisorctl then exits 0 and stays
-stopped. supervisord's own log lines are the verdict.
+the death: still status 1, the dead worker named, restarted again. Before that, the other
+deaths of a one-node server, each from the last one's leftovers: rank 0 (the output rank)
+failing, and the engine core SIGKILLed: status 1, said why, restarted, answering. A stop
+through supervisorctl then exits 0 and stays stopped. supervisord's own log lines are the
+verdict. (The release's exit 0 for each fault is test_live_server's and
+test_api_server_exit's; here once, to show supervisord leaving the node down.)
 """
 from __future__ import annotations
 
@@ -31,16 +35,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/
 
 from fetch_release import cache_dir  # noqa: E402
-from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, apply, assert_the_exit, set_state  # noqa: E402
-from live_server.server import STARTUP_TIMEOUT_SECONDS, Server, command_line, descendants, end_group  # noqa: E402
+from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, apply, assert_the_exit, set_fix, set_state  # noqa: E402
+from live_server.server import (STARTUP_TIMEOUT_SECONDS, Server, command_line, descendants, end_group,  # noqa: E402
+                                free_port, with_private_shm)
+from live_server.two_nodes import VLLM_CLI, Node  # noqa: E402
 
 SUPERVISOR = os.path.join(cache_dir(), "venv-supervisor", "bin")
 pytestmark = [NEEDS_THE_VENV, pytest.mark.skipif(not os.path.exists(os.path.join(SUPERVISOR, "supervisord")),
                                                  reason="no venv-supervisor: scripts/test makes it")]
 
-EXITED = re.compile(r"exited: vllm \(exit status (\d+); (expected|not expected)\)")
+
+
+def exited(program: str) -> re.Pattern:
+    return re.compile(rf"exited: {program} \(exit status (-?\d+); (expected|not expected)\)")
+
+
+def spawned(program: str) -> re.Pattern:
+    return re.compile(rf"spawned: '{program}' with pid (\d+)")
+
+
+EXITED, SPAWNED = exited("vllm"), spawned("vllm")
 STOPPED = re.compile(r"stopped: vllm \(exit status (\d+)\)")
-SPAWNED = re.compile(r"spawned: 'vllm' with pid (\d+)")
 CONFIG = """\
 [unix_http_server]
 file={work}/supervisor.sock
@@ -56,8 +71,11 @@ supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
 
 [supervisorctl]
 serverurl=unix://{work}/supervisor.sock
-
-[program:vllm]
+"""
+# A program's output: the first program's on supervisord's stream (what the test reads,
+# with supervisord's own lines), any other's in a file of its own.
+PROGRAM = """
+[program:{name}]
 command={command}
 directory={work}
 autorestart=unexpected
@@ -68,7 +86,7 @@ stopasgroup=true
 killasgroup=true
 stopwaitsecs=30
 redirect_stderr=true
-stdout_logfile=/dev/stdout
+stdout_logfile={output}
 stdout_logfile_maxbytes=0
 """
 
@@ -79,9 +97,17 @@ class SupervisedServer(Server):
     on one stream) and ends; supervisord and its programs share a /dev/shm of their own."""
 
     def start(self) -> None:
+        programs = "".join(
+            PROGRAM.format(name=name, work=self.workdir, command=shlex.join(command).replace("%", "%%"),
+                           output="/dev/stdout" if first else os.path.join(self.workdir, f"{name}.log"))
+            for first, (name, command) in ((index == 0, program) for index, program in enumerate(self.programs().items())))
         with open(os.path.join(self.workdir, "supervisord.conf"), "w") as f:
-            f.write(CONFIG.format(work=self.workdir, command=shlex.join(super().command()).replace("%", "%%")))
+            f.write(CONFIG.format(work=self.workdir) + programs)
         super().start()
+
+    def programs(self) -> dict[str, list[str]]:
+        """Program name -> command: the live server, as "vllm"."""
+        return {"vllm": super().command()}
 
     def command(self) -> list[str]:
         return [os.path.join(SUPERVISOR, "supervisord"), "-c", os.path.join(self.workdir, "supervisord.conf")]
@@ -105,6 +131,29 @@ class SupervisedServer(Server):
         end_group(self.proc.pid, term_grace=40)
         self.proc.wait()
         self.log.close()
+
+
+class SupervisedNodes(SupervisedServer):
+    """Two nodes (two_nodes.Node: the leader, node rank 0, and the --headless follower) as
+    two programs of one supervisord, each in a /dev/shm of its own, as on two machines
+    (the cause note a node's processes write, the other's cannot read); the leader's
+    output is on the stream read, the follower's in follower.log."""
+
+    def __init__(self, python: str, model: str, workdir: str) -> None:
+        super().__init__(python, model, workdir)
+        master_port = free_port()
+        self.nodes = {name: Node(python, model, os.path.join(workdir, name), rank, master_port, self.trigger)
+                      for rank, name in enumerate(("leader", "follower"))}
+        self.port = self.nodes["leader"].port
+
+    def programs(self) -> dict[str, list[str]]:
+        """Each node's command, with the environment it has beyond supervisord's; its -c
+        code on one line (an INI value is one)."""
+        shared = self.environment()
+        return {name: with_private_shm([
+            "env", *(f"{key}={value}" for key, value in node.environment().items() if shared.get(key) != value),
+            *(f"exec({VLLM_CLI!r})" if arg == VLLM_CLI else arg for arg in node.command())])
+            for name, node in self.nodes.items()}
 
 
 @pytest.fixture(scope="module")
@@ -155,14 +204,19 @@ def drive(server: SupervisedServer, exit_path: str) -> dict:
     outcome["first_pid"] = first_pid
     outcome["healthy_after"] = round(wait_healthy(server) - fault_at, 1)
     outcome["answer_after_restart"] = server.complete(timeout=120)
+    # The other deaths an mp server has on one node, each restarted from what the last
+    # left (its workers' shared memory, ports): rank 0, the output rank, failing (the
+    # engine core ends with its error: no note), and the engine core SIGKILLed.
+    outcome["rank_0_failed"] = death_and_restart(server, lambda: server.inject(0, "start"))
+    outcome["engine_core_killed"] = death_and_restart(server, lambda: os.kill(
+        one_process(server, "VLLM::EngineCore"), signal.SIGKILL))
     # A death the API server has not heard of yet when its stop comes (docs/supervisor.md
     # §5): rank 1's worker killed as the OOM killer kills, and SIGTERM to the API server
     # 0.1 s later. The worker monitor's cause note makes the stop a failure.
-    api_server = outcome["new_pid"]
-    workers = [pid for pid in descendants(api_server) if command_line(pid).startswith("VLLM::Worker_TP1")]
-    assert len(workers) == 1, [command_line(pid) for pid in descendants(api_server)]
+    api_server = running_pid(server)
+    worker = one_process(server, "VLLM::Worker_TP1")
     killed_at = time.time()
-    os.kill(workers[0], signal.SIGKILL)
+    os.kill(worker, signal.SIGKILL)
     # The stop follows the note (written within milliseconds; up to 5 s are allowed on a
     # loaded 2-core machine), before the API server has heard of the death: no request is
     # in flight and its watchdog looks every 5 s (§5 found it unaware 0.1 s after a kill).
@@ -187,6 +241,38 @@ def drive(server: SupervisedServer, exit_path: str) -> dict:
     return outcome
 
 
+def running_pid(server: SupervisedServer, program: str = "vllm") -> int:
+    """The pid of the program's process that supervisord started last."""
+    pattern = spawned(program)
+    pids = [match.group(1) for _, line in list(server.lines) for match in [pattern.search(line)] if match]
+    return int(pids[-1])
+
+
+def one_process(server: SupervisedServer, title: str, program: str = "vllm") -> int:
+    """The pid of the program's running process's one descendant whose title starts with title."""
+    found = [pid for pid in descendants(running_pid(server, program)) if command_line(pid).startswith(title)]
+    assert len(found) == 1, [command_line(pid) for pid in descendants(running_pid(server, program))]
+    return found[0]
+
+
+def death_and_restart(server: SupervisedServer, cause) -> dict:
+    """Ends the running server by cause() with a request in flight (a fault fires in it),
+    and what followed: supervisord's verdict, the exited server's lines since, and, if
+    supervisord restarts it, when the new server was healthy and its answer."""
+    started = time.time()
+    cause()
+    answer = server.complete(timeout=60)
+    stamp, exited = server.wait_for(EXITED, started, 60)
+    result = {"answer": answer, "exit_status": int(exited.group(1)), "expected": exited.group(2),
+              "exited_after": round(stamp - started, 2),
+              "lines": [line.rstrip("\n") for at, line in server.lines if started <= at <= stamp]}
+    if result["exit_status"] != 0:
+        server.wait_for(SPAWNED, stamp, 30)
+        result["healthy_after"] = round(wait_healthy(server) - started, 1)
+        result["answer_after_restart"] = server.complete(timeout=120)
+    return result
+
+
 def wait_healthy(server: SupervisedServer) -> float:
     """When /health answered 200 (the restarted server's start)."""
     deadline = time.time() + STARTUP_TIMEOUT_SECONDS
@@ -209,6 +295,7 @@ def test_release_launcher_exits_0_and_supervisord_leaves_the_node_down(supervise
 def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
     outcome = supervised("patched")
     lines, late_lines = outcome.pop("lines"), outcome.pop("late_stop_lines")
+    death_lines = {death: outcome[death].pop("lines") for death in ("rank_0_failed", "engine_core_killed")}
     print(json.dumps(outcome))
     assert outcome["fired"] and outcome["answer"][0] != 200, outcome
     assert (outcome["exit_status"], outcome["expected"]) == (1, "not expected"), outcome
@@ -217,6 +304,12 @@ def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
                                      {"cause": "rank-failed", "rank": 1, "call": "execute_model"})))
     assert outcome["new_pid"] != outcome["first_pid"], outcome
     assert outcome["answer_after_restart"][0] == 200, outcome
+    # Rank 0 failing, and the engine core killed: status 1, said why, restarted, answering.
+    for death, cause in (("rank_0_failed", "engine-core-died"), ("engine_core_killed", "engine-core-died")):
+        died = outcome[death]
+        assert died["answer"][0] != 200 and (died["exit_status"], died["expected"]) == (1, "not expected"), died
+        assert_the_exit(death_lines[death], died["exit_status"], "patched", {"cause": cause, "rank": None})
+        assert died["answer_after_restart"][0] == 200, died
     # A worker killed, then a stop before the API server heard of it: still a failure,
     # named by the worker monitor; restarted again.
     late = outcome["late_stop"]
@@ -225,3 +318,39 @@ def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
                                      {"cause": "worker-died", "rank": 1, "worker_exit_status": -9})))
     # A stop asked for is a clean stop: status 0 and no restart.
     assert outcome["stopped"] == 0 and outcome["status"].split()[1] == "STOPPED", outcome
+
+
+def test_two_nodes_exit_non_zero_and_supervisord_restarts_both(installed):
+    """Two nodes, each a supervisord program, fixed by apply.py: the follower's worker is
+    SIGKILLed (a death that never reaches Python). The follower's headless process exits
+    non-zero (the release's exits 0: test_two_nodes), the leader exits 1 naming the lost
+    rank, supervisord starts both again, and the nodes meet again and answer. (The
+    release's leader waits out the RPC timeout and exits 0, and its follower waits for
+    good: test_two_nodes; supervisord's answer to a 0 is the one-node case's.)"""
+    _, work, model = installed
+    set_fix("patched")
+    server = SupervisedNodes(PYTHON, model, tempfile.mkdtemp(dir=work))
+    server.start()
+    try:
+        server.wait_ready()
+        assert server.complete(timeout=120)[0] == 200, server.tail(60)
+        first = {program: running_pid(server, program) for program in server.nodes}
+        worker = one_process(server, "VLLM::Worker", "follower")
+        killed_at = time.time()
+        os.kill(worker, signal.SIGKILL)
+        ended = {program: server.wait_for(exited(program), killed_at, 60) for program in server.nodes}
+        for program, (stamp, _) in ended.items():
+            server.wait_for(spawned(program), stamp, 30)
+        healthy_after = round(wait_healthy(server) - killed_at, 1)
+        answer = server.complete(timeout=120)
+        again = {program: running_pid(server, program) for program in server.nodes}
+    finally:
+        server.stop()
+    leader_lines = [line.rstrip("\n") for at, line in server.lines if killed_at <= at <= ended["leader"][0]]
+    statuses = {program: (int(match.group(1)), match.group(2)) for program, (_, match) in ended.items()}
+    print(json.dumps({"statuses": statuses, "healthy_after": healthy_after, "answer": answer}))
+    assert statuses["leader"] == (1, "not expected") and statuses["follower"][1] == "not expected", statuses
+    print(json.dumps(assert_the_exit(leader_lines, statuses["leader"][0], "patched",
+                                     {"cause": "rank-disconnected", "rank": 1})))
+    assert all(again[program] != first[program] for program in first), (first, again)
+    assert answer[0] == 200, answer
