@@ -213,20 +213,27 @@ def created_like(tree: str, parts: list[Part]) -> str:
     return os.path.join(tree, next(part.path for part in parts if part.role == "server"))
 
 
-def write_exit_path(tree: str, *, revert: bool, pycache_prefix: "str | None" = None,
-                    exact: bool = False) -> "tuple[list[Part], dict[str, str]]":
+def write_exit_path(tree: str, *, revert: bool, pycache_prefix: "str | None" = None, exact: bool = False,
+                    parts: "list[Part] | None" = None) -> "tuple[list[Part], dict[str, str]]":
     """Write every file not on the wanted side yet, in write order (reversed to revert: the
     helper is removed last), each durable before the next, through a link within the tree
-    (as the executor's); remove the .pyc files that would run instead of each. (The files
-    as they were before, once each is read back as written; the stale .pyc files that
-    stay, with why.) Nothing is written if any file drifted: the caller reports the drift
-    (Part.why). The caller holds the lock on vllm/ (fileset.change_set)."""
+    (as the executor's); remove the .pyc files that would run instead of each. parts: the
+    files as the caller read and planned them (read_exit_path) under the lock it holds
+    (fileset.change_set holds vllm/'s); None: read and planned here. (The files as they
+    are after the run, each read back as written; the stale .pyc files that stay, with
+    why.) Nothing is written if any file drifted (the parts returned say why: Part.why),
+    or if a file no longer holds the bytes it was decided on: another program writes the
+    tree (exit 9)."""
     from .disk import leftover_temp_files, remove_file, remove_files, replace_file
     from .running import mark_changed
 
-    parts = read_exit_path(tree, exact=exact)
+    parts = read_exit_path(tree, exact=exact) if parts is None else parts
     if any(part.state == DRIFTED_STATE for part in parts):
         return parts, {}
+    for part in parts:  # a writer without the lock (pip) since they were decided: not to be overwritten
+        if read_file(os.path.join(tree, part.path)) != part.data:
+            raise Failure(CHANGED_AFTER_WRITE, f"{os.path.join(tree, part.path)} changed while apply.py ran: another"
+                                               " program writes the tree; nothing of the exit path was written: run again")
     kept: dict[str, str] = {}
     for part in reversed(parts) if revert else parts:
         path, wanted = os.path.join(tree, part.path), part.wanted(revert)
@@ -248,7 +255,9 @@ def write_exit_path(tree: str, *, revert: bool, pycache_prefix: "str | None" = N
         if read_file(real) != wanted:
             raise Failure(CHANGED_AFTER_WRITE, f"wrote {path}, then read back other bytes: another program changed it; run again")
         kept.update({pyc: failed[pyc] for pyc in stale_bytecode_of(tree, part.path, wanted, pycache_prefix) if pyc in failed})
-    return parts, kept
+    state = NOT_APPLIED_STATE if revert else APPLIED_STATE
+    return [Part(part.role, part.path, part.wanted(revert), state, diff=part.diff, fixed=part.fixed,
+                 released=part.released, adapted=part.adapted) for part in parts], kept
 
 
 def bytecode_of(tree: str, relative: str, pycache_prefix: "str | None") -> list[str]:

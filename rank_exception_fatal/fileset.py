@@ -121,15 +121,12 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
             executor = run_change(path, fixes, pycache_prefix, revert=True, exact=exact)
             if executor.code != OK:
                 return set_report(path, executor, parts, revert=True)
-            before, kept = write_exit_path(tree, revert=True, pycache_prefix=pycache_prefix, exact=exact)
+            after, kept = write_exit_path(tree, revert=True, pycache_prefix=pycache_prefix, parts=parts)
         else:
-            before, kept = write_exit_path(tree, revert=False, pycache_prefix=pycache_prefix, exact=exact)
-            if any(part.state == DRIFTED_STATE for part in before):  # changed meanwhile by a writer without the lock
-                return set_report(path, executor, before)
-            executor = executor_written(path, fixes, pycache_prefix, exact, tree, before, planned)
-        after = read_exit_path(tree, exact=exact)
-    written = [new for old, new in zip(before, after) if old.data != new.data]
-    report = set_report(path, executor, after, revert=revert, written=written, before=before)
+            after, kept = write_exit_path(tree, revert=False, pycache_prefix=pycache_prefix, parts=parts)
+            executor = executor_written(path, fixes, pycache_prefix, exact, parts, after, planned)
+    written = [new for old, new in zip(parts, after) if old.data != new.data]
+    report = set_report(path, executor, after, revert=revert, written=written, before=parts)
     if kept and report.code == OK:
         pyc, why = next(iter(kept.items()))
         report = report.replaced(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=(
@@ -150,8 +147,8 @@ def executor_planned(path: str, fixes, exact: bool) -> "tuple[bytes, bytes] | Re
     return (read.data, new) if isinstance(new, bytes) else new
 
 
-def executor_written(path: str, fixes, pycache_prefix: "str | None", exact: bool, tree: str,
-                     before: list[Part], planned: "tuple[bytes, bytes] | None") -> Report:
+def executor_written(path: str, fixes, pycache_prefix: "str | None", exact: bool, before: list[Part],
+                     after: list[Part], planned: "tuple[bytes, bytes] | None") -> Report:
     """The executor applied, last; a Failure then (a full disk, another writer) says that the
     exit path is already written, which the next run completes and --revert takes back."""
     from .change import run_change
@@ -160,7 +157,7 @@ def executor_written(path: str, fixes, pycache_prefix: "str | None", exact: bool
     try:
         return run_change(path, fixes, pycache_prefix, revert=False, exact=exact, planned=planned)
     except Failure as e:
-        written = [part.role for old, part in zip(before, read_exit_path(tree)) if old.data != part.data]
+        written = [part.role for old, part in zip(before, after) if old.data != part.data]
         done = f"; the exit path was written first ({', '.join(written)}): run apply.py again" if written else ""
         raise Failure(e.code, f"{e}{done}") from None
 

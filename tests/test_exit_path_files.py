@@ -24,7 +24,7 @@ from helpers import BUNDLE, killed_after, read, write
 from rank_exception_fatal import exit_path
 from rank_exception_fatal.exit_path import HELPER, read_exit_path, write_exit_path
 from rank_exception_fatal.hooks import hooks_out_of_place
-from rank_exception_fatal.outcome import APPLIED_STATE, DRIFTED_STATE, NOT_APPLIED_STATE
+from rank_exception_fatal.outcome import APPLIED_STATE, CHANGED_AFTER_WRITE, DRIFTED_STATE, NOT_APPLIED_STATE, Failure
 
 ROLE_PATHS = ("launcher", "server")
 
@@ -158,6 +158,21 @@ def assert_drifts_and_nothing_is_written(root: str, role: str, words: str) -> No
 def only(files: dict[str, bytes], role: str) -> str:
     """The path of files' launcher ("launcher") or server file ("server")."""
     return next(path for path in files if ("launcher" in path.rpartition("/")[2]) == (role == "launcher"))
+
+
+def test_a_file_another_program_changes_after_it_was_decided_stops_the_run_before_any_write(tmp_path):
+    # apply.py decides the files under its lock, then writes; a writer without the lock
+    # (pip) in between must not have its file overwritten, nor the set half-written.
+    files = release_files("0.30.0")
+    root = make_exit_tree(str(tmp_path), files)
+    parts = read_exit_path(root)
+    server = next(part for part in parts if part.role == "server")
+    write(os.path.join(root, server.path), server.data + b"# another program's line\n")
+    before = tree_bytes(root)
+    with pytest.raises(Failure) as caught:
+        write_exit_path(root, revert=False, parts=parts)
+    assert caught.value.code == CHANGED_AFTER_WRITE and server.path in str(caught.value), caught.value
+    assert tree_bytes(root) == before
 
 
 def test_a_launcher_whose_hooked_lines_changed_drifts(tmp_path):
