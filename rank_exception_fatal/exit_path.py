@@ -116,11 +116,13 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     places: dict[str, str] = {}  # diff -> the path it writes
     for version, row in rows.items():
         diff, release_sha256, fixed_sha256 = row.role(role)
-        if places.setdefault(diff, row.place(role)) != row.place(role):
+        place = row.place(role)
+        if places.setdefault(diff, place) != place:
             raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives patches/{diff} two paths")
-        for digest, state in ((release_sha256, NOT_APPLIED_STATE), (fixed_sha256, APPLIED_STATE)):
-            if known.setdefault(digest, (state, diff, version))[:2] != (state, diff):
-                raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives the {role} file {digest} to two diffs or sides")
+        release, fixed = (NOT_APPLIED_STATE, diff, version), (APPLIED_STATE, diff, version)
+        if (known.setdefault(release_sha256, release)[:2] != release[:2]
+                or known.setdefault(fixed_sha256, fixed)[:2] != fixed[:2]):
+            raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives a {role} file of {version} to two diffs or sides")
     found = []
     for path in sorted(set(places.values())):
         data = read_file(os.path.join(tree, path))

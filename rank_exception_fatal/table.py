@@ -197,9 +197,11 @@ def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed
     rows = checked_rows(table, EXIT_PATH_COLUMNS, sealed=sealed, writer="scripts/make_exit_diffs.py")
     paths: dict[str, ExitPath] = {}
     for row in rows:
+        # Each field by name, not through role() and place(): the gate reads every row on each run.
         entry = ExitPath(*row) if len(row) == len(EXIT_PATH_COLUMNS) else None
-        digests = "" if entry is None else "".join(entry.role(role)[1] + entry.role(role)[2] for role in ROLES)
-        places = [] if entry is None else [entry.place(role) for role in ROLES]
+        digests = "" if entry is None else (entry.launcher_sha256 + entry.launcher_fixed_sha256 + entry.server_sha256
+                                            + entry.server_fixed_sha256)
+        places = () if entry is None else (entry.launcher_path, entry.server_path)
         if (entry is None or len(digests) != 4 * 64 or digests.strip(HEX_DIGITS)
                 or not all(place.startswith("vllm/") and "/../" not in place for place in places)):
             raise ValueError(f"has a malformed row: {row[0]!r}")
