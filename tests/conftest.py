@@ -35,6 +35,14 @@ def make_tree(tmp_path):
 
 
 @pytest.fixture
+def no_environment_root(monkeypatch):
+    """For tests that name their tree (--root, sys.path, --pid): none from GAUDI_FIXES_ROOT,
+    which scripts/test sets for the loop test, and sys.pycache_prefix as it was."""
+    monkeypatch.delenv("GAUDI_FIXES_ROOT", raising=False)
+    monkeypatch.setattr(sys, "pycache_prefix", sys.pycache_prefix)  # --pid sets the server's
+
+
+@pytest.fixture
 def public_tree(make_tree):
     """(a 0.30.0 tree, a copy of patches/) where another user may read: pytest's tmp_path is private."""
     import shutil

@@ -22,6 +22,46 @@ def write(path: str, data: bytes) -> None:
         f.write(data)
 
 
+# target and patched_bytes import the package where called, as made_from does: the live
+# servers import this module with only tests/ on their path.
+def target(root: str) -> str:
+    """The executor's path in the tree at root."""
+    from rank_exception_fatal.outcome import TARGET
+
+    return os.path.join(root, TARGET)
+
+
+def patched_bytes(version: str, tmp_path) -> bytes:
+    """The release file after `git apply` of its diff: what apply.py must write too."""
+    from conftest import release_bytes
+    from rank_exception_fatal import bundle
+    from rank_exception_fatal.outcome import TARGET
+
+    root = tmp_path / f"git-{version}"
+    (root / TARGET).parent.mkdir(parents=True, exist_ok=True)
+    write(str(root / TARGET), release_bytes(version))
+    subprocess.run(["git", "apply", os.path.join(bundle.PATCHES_DIR, f"v{version}.diff")], cwd=root, check=True)
+    return read(str(root / TARGET))
+
+
+def leftovers(root: str) -> list[str]:
+    """What a run left beside the executor (its temporary files): nothing, after any run."""
+    return sorted(n for n in os.listdir(os.path.dirname(target(root))) if n != "multiproc_executor.py")
+
+
+def change_a_loop_line(data: bytes) -> bytes:
+    """The release file with a line of its worker loop changed: drift that no diff fits."""
+    return data.replace(b'logger.exception("WorkerProc hit an exception.")', b'logger.exception("Worker failed.")')
+
+
+# `python -c UNCHECKED FILE` leaves a .pyc that Python runs without looking at the source
+# again: a stale one, once the source is fixed, runs the release's code instead.
+UNCHECKED = (
+    "import py_compile, sys;"
+    "py_compile.compile(sys.argv[1], invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+)
+
+
 def run_apply(*args: str, python: str | None = None, **kwargs) -> subprocess.CompletedProcess:
     """apply.py in a child, with this Python; or, given the Python of a vLLM install, as
     an operator runs it on a node: from /, on the vllm that Python imports, not a tree
