@@ -59,7 +59,8 @@ if any is not applied, else 0):
   6  usage error
   7  --verify: the installed vLLM does not fail fast
   8  --verify: the installed vLLM cannot be imported
-  9  the target was written, then read back changed by another program: run again
+  9  another program changed a file of the fix during the run (read back other bytes
+     after the write, or changed since it was decided: then nothing was written): run again
  10  Python imports the executor from a compiled module or a zip, not a source file
  11  --verify: the check could not run (its harness failed before a verdict)
  12  --pid: the process sees other files at its paths than here (a container

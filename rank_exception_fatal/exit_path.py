@@ -77,9 +77,9 @@ def helper_bytes() -> bytes:
     prefix = f"--- /dev/null\n+++ b/{HELPER}\n@@ -0,0 +1,"
     body = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF))
     count, _, added = body[len(prefix):].partition(" @@\n") if body.startswith(prefix) else ("", "", "")
-    lines = int(count) if count.isdigit() else 0
-    # count lines, every one of them starting with +, and a newline at the end.
-    if not lines or not added.endswith("\n") or added.count("\n") != lines or ("\n" + added).count("\n+") != lines:
+    length = int(count) if count.isascii() and count.isdigit() else 0
+    # length lines, every one of them starting with +, and a newline at the end.
+    if not length or not added.endswith("\n") or added.count("\n") != length or ("\n" + added).count("\n+") != length:
         raise Failure(BAD_BUNDLE, f"patches/{HELPER_DIFF} is not the creation of {HELPER}: copy the bundle again")
     return ("\n" + added).replace("\n+", "\n")[1:].encode("utf-8")
 
@@ -119,10 +119,11 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
         place = row.place(role)
         if places.setdefault(diff, place) != place:
             raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives patches/{diff} two paths")
-        release, fixed = (NOT_APPLIED_STATE, diff, version), (APPLIED_STATE, diff, version)
-        if (known.setdefault(release_sha256, release)[:2] != release[:2]
-                or known.setdefault(fixed_sha256, fixed)[:2] != fixed[:2]):
+        as_release, as_fixed = (NOT_APPLIED_STATE, diff, version), (APPLIED_STATE, diff, version)
+        if (known.setdefault(release_sha256, as_release)[:2] != as_release[:2]
+                or known.setdefault(fixed_sha256, as_fixed)[:2] != as_fixed[:2]):
             raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv gives a {role} file of {version} to two diffs or sides")
+    missing_diffs(role, places)
     found = []
     for path in sorted(set(places.values())):
         data = read_file(os.path.join(tree, path))
@@ -161,6 +162,19 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     if (sha256_hex(released), sha256_hex(fixed)) != (release_sha256, fixed_sha256):
         raise Failure(BAD_BUNDLE, f"patches/{diff} does not make the {role} file releases/exit_path.tsv records")
     return Part(role, path, data, state, diff=diff, fixed=fixed, released=released)
+
+
+def missing_diffs(role: str, places: dict[str, str]) -> None:
+    """Exit 5 if a diff of the role that the table names is not in patches/: the gate reads
+    only the one a file is decided by, but a bundle copied in part must not pass on a node
+    whose files another diff fixes (as the executor's gate refuses it: check.decide_by_hash)."""
+    try:
+        present = {f"{role}/{name}" for name in os.listdir(os.path.join(bundle.PATCHES_DIR, role))}
+    except OSError:
+        present = set()
+    missing = sorted(set(places) - present)
+    if missing:
+        raise Failure(BAD_BUNDLE, f"patches/{missing[0]} is missing: copy the bundle again")
 
 
 def placed_by_its_lines(role: str, found: list[tuple[str, bytes]], places: dict[str, str]) -> "Part | None":
@@ -215,27 +229,31 @@ def created_like(tree: str, parts: list[Part]) -> str:
     return os.path.join(tree, next(part.path for part in parts if part.role == "server"))
 
 
-def write_exit_path(tree: str, *, revert: bool, pycache_prefix: "str | None" = None, exact: bool = False,
-                    parts: "list[Part] | None" = None) -> "tuple[list[Part], dict[str, str]]":
-    """Write every file not on the wanted side yet, in write order (reversed to revert: the
-    helper is removed last), each durable before the next, through a link within the tree
-    (as the executor's); remove the .pyc files that would run instead of each. parts: the
-    files as the caller read and planned them (read_exit_path) under the lock it holds
-    (fileset.change_set holds vllm/'s); None: read and planned here. (The files as they
-    are after the run, each read back as written; the stale .pyc files that stay, with
-    why.) Nothing is written if any file drifted (the parts returned say why: Part.why),
-    or if a file no longer holds the bytes it was decided on: another program writes the
-    tree (exit 9)."""
-    from .disk import leftover_temp_files, remove_file, remove_files, replace_file
-    from .running import mark_changed
-
-    parts = read_exit_path(tree, exact=exact) if parts is None else parts
-    if any(part.state == DRIFTED_STATE for part in parts):
-        return parts, {}
-    for part in parts:  # a writer without the lock (pip) since they were decided: not to be overwritten
+def still_as_decided(tree: str, parts: list[Part]) -> None:
+    """Exit 9 if a file no longer holds the bytes it was decided on: a writer without the
+    lock (pip) changed it meanwhile, and its file must not be overwritten."""
+    for part in parts:
         if read_file(os.path.join(tree, part.path)) != part.data:
             raise Failure(CHANGED_AFTER_WRITE, f"{os.path.join(tree, part.path)} changed while apply.py ran: another"
                                                " program writes the tree; nothing of the exit path was written: run again")
+
+
+def write_exit_path(tree: str, parts: list[Part], *, revert: bool,
+                    pycache_prefix: "str | None" = None) -> "tuple[list[Part], dict[str, str]]":
+    """Write every file not on the wanted side yet, in write order (reversed to revert: the
+    helper is removed last), each durable before the next, through a link within the tree
+    (as the executor's); remove the .pyc files that would run instead of each. parts: the
+    files as the caller read and planned them (read_exit_path), under the lock it holds
+    (fileset.change_set holds vllm/'s). (The files as they are after the run, each read
+    back as written; the stale .pyc files that stay, with why.) Nothing is written if any
+    file drifted (the parts returned say why: Part.why), or if a file no longer holds the
+    bytes it was decided on (still_as_decided)."""
+    from .disk import leftover_temp_files, remove_file, remove_files, replace_file
+    from .running import mark_changed
+
+    if any(part.state == DRIFTED_STATE for part in parts):
+        return parts, {}
+    still_as_decided(tree, parts)
     kept: dict[str, str] = {}
     for part in reversed(parts) if revert else parts:
         path, wanted = os.path.join(tree, part.path), part.wanted(revert)

@@ -5,7 +5,7 @@ applied; apply writes the helper, launcher and server file first and the executo
 revert the reverse; a drift in any file writes nothing."""
 import os
 
-from .exit_path import Part, read_exit_path, to_write, write_exit_path
+from .exit_path import Part, read_exit_path, still_as_decided, to_write, write_exit_path
 from .outcome import (APPLIED, APPLIED_STATE, DRIFTED, DRIFTED_STATE, NOT_AFFECTED_STATE, NOT_APPLIED,
                       NOT_APPLIED_STATE, OK, REVERTED, STALE_BYTECODE, TARGET, WOULD_APPLY, FileReport, Report)
 
@@ -118,12 +118,13 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
                 return set_report(path, planned, parts)
         writable_or_refused(tree, parts, revert, [(path, TARGET, None)] if writes_executor else [])
         if revert:
+            still_as_decided(tree, parts)  # before the executor is taken back, as apply checks before its first write
             executor = run_change(path, fixes, pycache_prefix, revert=True, exact=exact)
             if executor.code != OK:
                 return set_report(path, executor, parts, revert=True)
-            after, kept = write_exit_path(tree, revert=True, pycache_prefix=pycache_prefix, parts=parts)
+            after, kept = exit_path_reverted(tree, parts, pycache_prefix)
         else:
-            after, kept = write_exit_path(tree, revert=False, pycache_prefix=pycache_prefix, parts=parts)
+            after, kept = write_exit_path(tree, parts, revert=False, pycache_prefix=pycache_prefix)
             executor = executor_written(path, fixes, pycache_prefix, exact, parts, after, planned)
     written = [new for old, new in zip(parts, after) if old.data != new.data]
     report = set_report(path, executor, after, revert=revert, written=written, before=parts)
@@ -160,6 +161,17 @@ def executor_written(path: str, fixes, pycache_prefix: "str | None", exact: bool
         written = [part.role for old, part in zip(before, after) if old.data != part.data]
         done = f"; the exit path was written first ({', '.join(written)}): run apply.py again" if written else ""
         raise Failure(e.code, f"{e}{done}") from None
+
+
+def exit_path_reverted(tree: str, parts: list[Part], pycache_prefix: "str | None") -> "tuple[list[Part], dict[str, str]]":
+    """The exit path taken back, after the executor; a Failure then says that the executor
+    is reverted already, which the next --revert completes."""
+    from .outcome import Failure
+
+    try:
+        return write_exit_path(tree, parts, revert=True, pycache_prefix=pycache_prefix)
+    except Failure as e:
+        raise Failure(e.code, f"{e}; the executor was reverted first: run apply.py --revert again") from None
 
 
 def writable_or_refused(tree: str, parts: list[Part], revert: bool, first: "list[tuple]" = ()) -> None:

@@ -123,9 +123,9 @@ def put_release_files(root: str, version: str, *, executor: bool = True) -> str:
 def fix_exit_path(tree: str) -> None:
     """The exit path's files of a release tree fixed as apply.py writes them: for a test of
     the executor's file, which then alone decides the gate's answer."""
-    from rank_exception_fatal.exit_path import write_exit_path
+    from rank_exception_fatal.exit_path import read_exit_path, write_exit_path
 
-    write_exit_path(tree, revert=False)
+    write_exit_path(tree, read_exit_path(tree), revert=False)
 
 
 def needs_root() -> None:

