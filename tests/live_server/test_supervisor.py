@@ -360,7 +360,4 @@ def test_two_nodes_exit_non_zero_and_supervisord_restarts_both(installed):
     assert statuses == {"leader": (1, "not expected"), "follower": (1, "not expected")}, statuses
     print(json.dumps(assert_the_exit(leader_lines, statuses["leader"][0], "patched",
                                      {"cause": "rank-disconnected", "rank": 1})))
-    # The follower ended for the death the test caused: its worker monitor saw the SIGKILL.
-    with open(os.path.join(server.workdir, "follower.log"), errors="replace") as f:
-        assert re.search(r"Worker proc \S+ died unexpectedly \(exit code: -9\)", f.read()), server.workdir
     assert answer[0] == 200, answer
