@@ -61,7 +61,8 @@ if any is not applied, else 0):
   8  --verify: the installed vLLM cannot be imported
   9  another program changed a file of the fix during the run (read back other bytes
      after the write, or changed since it was decided: then nothing was written): run again
- 10  Python imports the executor from a compiled module or a zip, not a source file
+ 10  Python imports a file of the fix from something else than its source file (a
+     compiled module of any CPython beside it, a package directory, bytecode alone, a zip)
  11  --verify: the check could not run (its harness failed before a verdict)
  12  --pid: the process sees other files at its paths than here (a container
      seen from the host): run apply.py inside it; nothing was checked or written

