@@ -33,12 +33,34 @@ def missing_package(why: str) -> int:
 
 
 sys.path.insert(0, HERE)
-if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "cli.py")):
-    raise SystemExit(missing_package("is missing"))  # never another bundle's, found further on the path
+if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "cli.py")):  # never another bundle's, further on the path
+    raise SystemExit(missing_package("is not whole (rank_exception_fatal/cli.py is missing)"
+                                     if os.path.isdir(os.path.join(HERE, "rank_exception_fatal")) else "is missing"))
 try:
-    from rank_exception_fatal.cli import main
+    from rank_exception_fatal import missing_module
+
+    # Any module a mode imports later, refused now, not with a traceback in the middle of a run.
+    missing = missing_module()
+    if missing is None:
+        from rank_exception_fatal.cli import main
 except Exception as e:  # a damaged copy, or a Python the package cannot run on: one line, never a traceback
     raise SystemExit(missing_package(f"cannot be loaded ({type(e).__name__}: {e})")) from None
+if missing:
+    raise SystemExit(missing_package(f"is not whole ({missing} is missing)"))
+
+
+def of_the_bundle(error: BaseException) -> bool:
+    """An import error in a module of the package (one damaged after the start): a bundle fault."""
+    package = os.path.join(HERE, "rank_exception_fatal", "")
+    where = getattr(error, "filename", None) or getattr(error, "path", None) or ""
+    return (getattr(error, "name", None) or "").startswith("rank_exception_fatal") or where.startswith(package)
+
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        code = main()
+    except (ImportError, SyntaxError) as e:
+        if not of_the_bundle(e):
+            raise
+        code = missing_package(f"cannot be loaded ({type(e).__name__}: {e})")
+    raise SystemExit(code)

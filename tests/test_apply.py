@@ -327,6 +327,76 @@ def test_apply_py_needs_its_package_beside_it(make_tree, tmp_path):
             assert json.loads(out)["exit_code"] == 5
 
 
+
+def bundle_copy(tmp_path, edit) -> str:
+    """apply.py of a copy of the whole bundle, once edit(package directory) changed its package."""
+    import rank_exception_fatal
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, copy, ignore=lambda directory, names: [n for n in names if n in (
+        ".git", "tests", "scripts", "docs", "fleet", "__pycache__", ".pytest_cache")])
+    edit(copy / "rank_exception_fatal")
+    assert os.path.dirname(rank_exception_fatal.__file__) != str(copy / "rank_exception_fatal")
+    return str(copy / "apply.py")
+
+
+def test_the_package_lists_every_module_it_has():
+    """MODULES, which apply.py checks at start, is the package as it is."""
+    import rank_exception_fatal
+
+    package = os.path.dirname(rank_exception_fatal.__file__)
+    found = sorted(os.path.relpath(os.path.join(d, n), package)[: -len(".py")]
+                   for d, _, names in os.walk(package) for n in names if n.endswith(".py"))
+    assert sorted(rank_exception_fatal.MODULES) == [m for m in found if m != "__init__"]
+    assert rank_exception_fatal.missing_module() is None
+
+
+def every_module():
+    import rank_exception_fatal
+
+    return rank_exception_fatal.MODULES
+
+
+@pytest.mark.parametrize("module", every_module())
+def test_a_bundle_copied_without_any_module_says_5_in_one_line(module, make_tree, tmp_path):
+    """A bundle synced in part: exit 5 (never 1, which a deploy step reads as "run apply"),
+    one line, or one JSON object, in every mode, before anything is read or written."""
+    root = make_tree("0.30.0")
+    script = bundle_copy(tmp_path, lambda package: os.unlink(package / f"{module}.py"))
+    modes = [["--check", "--json"], ["--check"]] + ([[], ["--revert"], ["--diff"], ["--verify"]]
+                                                    if module in ("exit_path", "hooks", "loop_probe/child") else [])
+    for args in modes:
+        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
+                              timeout=120)
+        out = done.stdout if "--json" in args else done.stderr
+        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+        assert f"rank_exception_fatal/{module}.py is missing" in out, out
+        if "--json" in args:
+            assert json.loads(out)["exit_code"] == 5
+    assert read(target(root)) == release_bytes("0.30.0")
+
+
+@pytest.mark.parametrize("module", ["exit_path", "hooks"])
+def test_a_damaged_module_imported_during_the_run_says_5_in_one_line(module, make_tree, tmp_path):
+    """A module cut short by the copy fails only where a mode imports it: 5, one line."""
+    root = make_tree("0.30.0")
+    # A release the table does not know: the launcher has a line changed, so its diff is placed by its own
+    # lines, which imports hooks.
+    import fetch_release
+
+    launcher = os.path.join(root, fetch_release.exit_path_files("0.30.0")[0][0])
+    write(launcher, read(launcher).replace(b"\n", b"\n\n", 1))
+    script = bundle_copy(tmp_path, lambda package: (package / f"{module}.py").write_text("def cut(\n"))
+    for args in (["--check", "--json"], ["--check"], []):
+        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
+                              timeout=120)
+        out = done.stdout if "--json" in args else done.stderr
+        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+        assert "cannot be loaded (SyntaxError" in out, out
+        if "--json" in args:
+            assert json.loads(out)["exit_code"] == 5
+    assert read(target(root)) == release_bytes("0.30.0")
+
 # Each row problem, in a table sealed again after the edit (as an editor would), and an
 # edit without the seal: the bundle is malformed, and no file is decided by that table.
 def table_rows_edited(edit):
