@@ -15,8 +15,8 @@ speaks. Standard library only (unidiff parses a diff, once one must be parsed)."
 # line, before the run begins, not with a traceback halfway through it (the list is checked
 # against the package by tests/test_apply.py).
 MODULES = ("adapt", "bindings", "bundle", "bytecode", "change", "check", "children", "cli", "decide", "disk",
-           "drift", "earlier", "exit_path", "fileset", "hooks", "installed", "judged", "locate", "match", "outcome",
-           "proof", "reports", "running", "seal", "spawn", "table", "verify", "loop_probe/__init__",
+           "drift", "earlier", "exit_path", "fileset", "hooks", "installed", "judged", "leftover", "locate", "match",
+           "outcome", "proof", "reports", "running", "seal", "spawn", "table", "verify", "loop_probe/__init__",
            "loop_probe/cases", "loop_probe/child", "loop_probe/extract", "loop_probe/stand_ins")
 
 

@@ -4,8 +4,8 @@ import os
 import sys
 
 from .locate import Located, locate_for_process, locate_target
-from .outcome import (BAD_BUNDLE, ERROR_STATE, NOT_APPLIED, OK, TARGET, USAGE, VERIFIED, VERIFY_STATES, WOULD_APPLY,
-                      Failure, Report)
+from .outcome import (BAD_BUNDLE, ERROR_STATE, NOT_APPLIED, OK, TARGET, TARGET_NOT_FOUND, USAGE, VERIFIED, VERIFY_STATES,
+                      WOULD_APPLY, Failure, Report)
 
 # Sequence is for annotations only: importing collections.abc costs the gate 2 ms.
 TYPE_CHECKING = False
@@ -154,6 +154,10 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         report = run(args, located)
     except Failure as e:
         report = Report(code=e.code, state=ERROR_STATE, message=str(e))
+        if e.code == TARGET_NOT_FOUND and path is None and not args.pid:  # no executor: vLLM may be uninstalled
+            from .leftover import left_after_uninstall
+
+            report = left_after_uninstall(args.root, args.mode == "revert", report)
     except (RecursionError, MemoryError) as e:  # a file nested past what Python's parser takes
         from .outcome import DRIFTED, DRIFTED_STATE
 
@@ -166,7 +170,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     elif report.action == VERIFIED:
         emit(sys.stdout, report.message)
     elif report.code in (OK, NOT_APPLIED) and report.state != ERROR_STATE:
-        emit(sys.stdout, report.message if report.action == WOULD_APPLY else f"{report.message}: {path}")
+        emit(sys.stdout, report.message if report.action == WOULD_APPLY or path is None else f"{report.message}: {path}")
     else:
         emit(sys.stderr, f"apply.py: {report.message}")
     # The code says what happened to the file, also when the report could not be printed.

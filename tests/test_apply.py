@@ -340,21 +340,19 @@ def bundle_copy(tmp_path, edit) -> str:
     return str(copy / "apply.py")
 
 
+def every_module() -> list[str]:
+    """The package's modules as they are on disk (but __init__), as paths without .py."""
+    package = os.path.join(BUNDLE, "rank_exception_fatal")
+    found = (os.path.relpath(os.path.join(d, n), package) for d, _, names in os.walk(package) for n in names)
+    return sorted(path[: -len(".py")] for path in found if path.endswith(".py") and path != "__init__.py")
+
+
 def test_the_package_lists_every_module_it_has():
     """MODULES, which apply.py checks at start, is the package as it is."""
     import rank_exception_fatal
 
-    package = os.path.dirname(rank_exception_fatal.__file__)
-    found = sorted(os.path.relpath(os.path.join(d, n), package)[: -len(".py")]
-                   for d, _, names in os.walk(package) for n in names if n.endswith(".py"))
-    assert sorted(rank_exception_fatal.MODULES) == [m for m in found if m != "__init__"]
+    assert sorted(rank_exception_fatal.MODULES) == every_module()
     assert rank_exception_fatal.missing_module() is None
-
-
-def every_module():
-    import rank_exception_fatal
-
-    return rank_exception_fatal.MODULES
 
 
 @pytest.mark.parametrize("module", every_module())
