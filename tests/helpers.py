@@ -184,3 +184,24 @@ def killed_after(writes: int, statement: str, *args: str) -> None:
     done = subprocess.run([sys.executable, "-c", KILLED_AFTER_WRITES + statement, BUNDLE, str(writes), *args],
                           capture_output=True, text=True)
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
+# How long a test waits for an event before it calls the wait a hang: never a bound on how
+# fast the event comes (a loaded machine is slow, never this slow), only an end to a test
+# that would wait forever.
+HANG_SECONDS = 900
+
+
+def wait_for(event, what: str, seconds: float = HANG_SECONDS, every: float = 0.01):
+    """Poll event() every so many seconds until it returns a true value, and return that
+    value; fail only after seconds, a hang. event may assert, to fail at once on a sign that
+    the event cannot come (the process it waits for exited)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        value = event()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g} s, a hang"
+        time.sleep(every)

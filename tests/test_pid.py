@@ -16,7 +16,7 @@ import pytest
 
 import apply
 from conftest import TARGET, release_bytes
-from helpers import put_release_files, read
+from helpers import process_stat, put_release_files, read, wait_for
 
 SLEEP = "import time; time.sleep(600)"
 
@@ -54,25 +54,23 @@ def start():
 
 def wait_until_started(pid: int, program: str = "python") -> None:
     """Until exec has given the process its program and command line (Popen returns within
-    exec, a moment before; unshare and sh exec it a moment later)."""
-    deadline = time.monotonic() + 10
-    while True:
+    exec, a moment before; unshare and sh exec it a moment later); at once a failure if it
+    exited instead. However long that takes on a loaded machine: only a hang fails."""
+    def started() -> bool:
+        stat = process_stat(pid)
+        assert stat is not None and stat[1][0] != "Z", f"process {pid} exited before it started {program}"
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read() and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith(program):
-                    return
+                return bool(f.read()) and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith(program)
         except FileNotFoundError:
-            pass
-        assert time.monotonic() < deadline, f"process {pid} did not start {program}"
-        time.sleep(0.01)
+            return False
+
+    wait_for(started, f"process {pid} to start {program}")
 
 
 def wait_for_pid(path, old: str | None = None) -> str:
     """The pid a process wrote to path (atomically), once it is not old; that process started."""
-    deadline = time.monotonic() + 10
-    while not path.exists() or path.read_text() == old:
-        assert time.monotonic() < deadline, f"no pid in {path}"
-        time.sleep(0.01)
+    wait_for(lambda: path.exists() and path.read_text() != old, f"a new pid in {path}")
     pid = path.read_text()
     wait_until_started(int(pid))
     return pid

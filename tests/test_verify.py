@@ -19,7 +19,7 @@ import time
 import pytest
 
 import apply
-from helpers import APPLY, process_stat, read, run_apply, write
+from helpers import APPLY, HANG_SECONDS, process_stat, read, run_apply, wait_for, write
 from conftest import BUNDLE, TARGET, release_bytes
 from fetch_release import cache_dir
 from live_server.server import shm_left, with_private_shm
@@ -213,15 +213,13 @@ def stand_in_vllm(tmp_path, init: str, executor: str = STAND_IN_EXECUTOR, messag
     return str(root)
 
 
-def gone(pid: int, seconds: float = 10.0) -> bool:
-    """Whether process pid is gone (or a zombie) within seconds: a bound on the wait, not a timing."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+def gone(pid: int) -> bool:
+    """Whether process pid is gone (or a zombie), waited for until it is: only a hang fails."""
+    def ended() -> bool:
         stat = process_stat(pid)
-        if stat is None or stat[1][0] == "Z":
-            return True
-        time.sleep(0.05)
-    return False
+        return stat is None or stat[1][0] == "Z"
+
+    return wait_for(ended, f"process {pid} to end", every=0.05)
 
 
 def end(pids) -> None:
@@ -282,14 +280,15 @@ def test_a_signal_to_apply_ends_the_harness_and_its_group(signum, tmp_path):
                            stderr=subprocess.DEVNULL)
     pids = []
     try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert run.poll() is None and time.monotonic() < deadline, "the harness did not start"
-            time.sleep(0.05)
+        def harness_started() -> bool:
+            assert run.poll() is None, "apply.py ended before the harness started"
+            return marker.exists()
+
+        wait_for(harness_started, "the harness to start", every=0.05)
         harness, deaf, rpc_dir = marker.read_text().split()
         pids = [int(harness), int(deaf)]
         run.send_signal(signum)
-        assert run.wait(timeout=60) == 128 + signum
+        assert run.wait(timeout=HANG_SECONDS) == 128 + signum
         assert gone(int(harness)) and gone(int(deaf)), "the harness's group is ended"
         assert not os.path.exists(rpc_dir), "its temporary directory is removed"
     finally:

@@ -23,8 +23,8 @@ import fetch_release
 from rank_exception_fatal import change, disk
 from rank_exception_fatal.exit_path import HELPER
 from conftest import TARGET, release_bytes
-from helpers import (APPLY, BUNDLE, UNCHECKED, fix_exit_path, leftovers, needs_root, patched_bytes, read, run_apply,
-                     run_as_nobody, target, write)
+from helpers import (APPLY, BUNDLE, HANG_SECONDS, UNCHECKED, fix_exit_path, leftovers, needs_root, patched_bytes, read,
+                     run_apply, run_as_nobody, target, wait_for, write)
 
 pytestmark = pytest.mark.usefixtures("no_environment_root")  # the tree each test names, not scripts/test's
 
@@ -328,16 +328,17 @@ def test_a_run_waits_for_the_lock(make_tree, tmp_path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         run = subprocess.Popen([sys.executable, APPLY, "--root", root], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        # /proc/locks marks a process that waits for a lock with "->".
-        while not any(f"-> FLOCK  ADVISORY  WRITE {run.pid} " in line for line in open("/proc/locks")):
+
+        def waiting_for_the_lock() -> bool:
             assert run.poll() is None, "the run finished while another held the lock"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+            with open("/proc/locks") as locks:  # "->" marks a process that waits for a lock
+                return any(f"-> FLOCK  ADVISORY  WRITE {run.pid} " in line for line in locks)
+
+        wait_for(waiting_for_the_lock, "the run to wait for the lock")
         assert read(path) == release_bytes("0.30.0")
     finally:
         os.close(fd)
-    assert run.wait(timeout=60) == 0
+    assert run.wait(timeout=HANG_SECONDS) == 0
     assert read(path) == patched_bytes("0.30.0", tmp_path)
 
 
@@ -360,24 +361,108 @@ def test_a_lock_the_system_refuses_is_a_clear_error(make_tree, monkeypatch, caps
     assert read(target(root)) == release_bytes("0.30.0")
 
 
-# Runs apply and revert in turn, starting with one or the other; exits with the worst code.
+# Runs apply and revert in turn, 12 runs starting with one or the other, and prints their exit
+# codes as its last line. Each write of a run (a file replaced or removed) goes to the shared
+# log as "RUN begin FILE" and "RUN end FILE", held open a moment between the two, so that two
+# runs that wrote at once would interleave there; RUN is pid.turn.apply or pid.turn.revert.
 TURNS = """\
-import sys, apply
-root, first = sys.argv[1], int(sys.argv[2])
-sys.exit(max(apply.main(["--root", root, *(["--revert"] if (turn + first) % 2 else [])]) for turn in range(12)))
+import json, os, sys, time
+import apply
+from rank_exception_fatal import change, disk
+root, first, log = os.path.realpath(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+run = None
+
+def note(what):
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, f"{run} {what}\\n".encode())
+    finally:
+        os.close(fd)
+
+def logged(write):
+    def logged_write(path, *args, **kwargs):
+        note(f"begin {os.path.relpath(path, root)}")
+        time.sleep(0.005)  # a window for another writer, unless the lock keeps it out
+        write(path, *args, **kwargs)
+        note(f"end {os.path.relpath(path, root)}")
+    return logged_write
+
+disk.replace_file = change.replace_file = logged(disk.replace_file)
+disk.remove_file = logged(disk.remove_file)
+codes = []
+for turn in range(12):
+    mode = "revert" if (turn + first) % 2 else "apply"
+    run = f"{os.getpid()}.{turn}.{mode}"
+    codes.append(apply.main(["--root", root, *(["--revert"] if mode == "revert" else [])]))
+print(json.dumps(codes))
 """
 
 
-def test_concurrent_applies_and_reverts_serialize(make_tree, tmp_path):
+def tree_files(root: str) -> dict[str, bytes]:
+    """Every file under root but a run's temporary ones: {its path in the tree: its bytes}."""
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if not name.startswith(disk.TEMP_PREFIX):
+                path = os.path.join(directory, name)
+                try:
+                    files[os.path.relpath(path, root)] = read(path)
+                except FileNotFoundError:  # removed by a revert meanwhile
+                    pass
+    return files
+
+
+def test_concurrent_applies_and_reverts_serialize(make_tree):
+    """8 processes apply and revert one tree at once, 96 runs: every run exits 0 with nothing on
+    stderr; each run's writes stand together in the log, whole (every file of the fix) and
+    in turn (an apply, then a revert, then an apply...: no run wrote from a state another
+    had changed); each file, read again and again meanwhile, holds the release's bytes or the
+    fix's, never part of each; and the tree ends whole on the side the last write left it.
+    Bounded by that work, not by the clock: only a hang ends the wait."""
     root = make_tree("0.33.0")
-    here = BUNDLE
-    runs = [subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2)], cwd=here, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for n in range(8)]
-    results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
-    for run in runs:
-        run.stderr.close()
-    assert results == [(0, "")] * 8
-    assert read(target(root)) in (release_bytes("0.33.0"), patched_bytes("0.33.0", tmp_path))
+    released = tree_files(root)
+    fixed_tree = make_tree("0.33.0")
+    assert apply.main(["--root", fixed_tree]) == 0
+    fixed = tree_files(fixed_tree)
+    sides = {path: {released.get(path), fixed.get(path)} for path in {*released, *fixed}}
+    assert all(len(side) == 2 for side in sides.values()), "every file of the fix differs between the two sides"
+    log = os.path.join(os.path.dirname(root), "writes.log")
+    write(log, b"")
+    outputs = [os.path.join(os.path.dirname(root), f"run{n}.{stream}") for n in range(8) for stream in ("out", "err")]
+    runs = []
+    for n in range(8):
+        with open(outputs[2 * n], "w") as out, open(outputs[2 * n + 1], "w") as err:
+            runs.append(subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2), log], cwd=BUNDLE,
+                                         stdout=out, stderr=err))
+
+    def whole_files_until_all_ended() -> bool:
+        ended = all(run.poll() is not None for run in runs)  # before the read: the last state is read too
+        now = tree_files(root)
+        for path, side in sides.items():
+            assert now.get(path) in side, f"{path}: neither the release's bytes nor the fix's"
+        return ended
+
+    wait_for(whole_files_until_all_ended, "8 processes' 96 applies and reverts", every=0.05)
+    for n, run in enumerate(runs):
+        err, out = read(outputs[2 * n + 1]).decode(), read(outputs[2 * n]).decode()
+        assert (run.returncode, err) == (0, ""), (n, run.returncode, err)
+        assert json.loads(out.splitlines()[-1]) == [0] * 12, (n, out)
+    lines = [line.split(" ") for line in read(log).decode().splitlines()]
+    blocks = []  # [(run, [its lines])], in the order they were written
+    for run, event, path in lines:
+        if not blocks or blocks[-1][0] != run:
+            blocks.append((run, []))
+        blocks[-1][1].append((event, path))
+    assert len({run for run, _ in blocks}) == len(blocks), "two runs' writes interleave: the lock did not hold"
+    for run, events in blocks:
+        paths = [path for _, path in events[::2]]
+        assert events == [(event, path) for path in paths for event in ("begin", "end")], (run, events)
+        assert sorted(paths) == sorted(sides), f"run {run} wrote some of the fix's files, not all: {paths}"
+    modes = [run.rsplit(".", 1)[1] for run, _ in blocks]
+    assert modes == ["apply", "revert"] * (len(modes) // 2) + ["apply"] * (len(modes) % 2), modes
+    assert len(modes) >= 2, "some runs must have written"
+    assert tree_files(root) == (fixed if modes[-1] == "apply" else released)
+    assert [name for _, _, names in os.walk(root) for name in names if name.startswith(disk.TEMP_PREFIX)] == []
     assert leftovers(root) == []
 
 
