@@ -83,14 +83,17 @@ def not_the_source(spec, source: "str | None") -> "str | None":
     return os.path.join(directory, compiled[0]) if compiled else None
 
 
-def imported_instead(tree: str, relative: str, exists: bool) -> "str | None":
+def imported_instead(tree: str, relative: str, exists: bool, specs: "dict | None" = None) -> "str | None":
     """None if Python, searching the tree holding vllm/, imports the module at relative
     (vllm/.../name.py) from that source file, or (exists False: a file apply creates)
-    finds nothing there to take instead; else what it imports instead, by the executor's rule."""
+    finds nothing there to take instead; else what it imports instead, by the executor's
+    rule. specs: the specs found for each module name, shared by the files of one
+    decision (their parent packages are mostly the same)."""
     names = relative[: -len(".py")].split("/")
-    locations, spec = [tree], None
+    locations, spec, specs = [tree], None, {} if specs is None else specs
     for depth in range(1, len(names) + 1):
-        spec = find_spec_in(".".join(names[:depth]), locations)
+        name = ".".join(names[:depth])
+        spec = specs[name] if name in specs else specs.setdefault(name, find_spec_in(name, locations))
         if depth < len(names):
             if spec is None or not spec.submodule_search_locations:
                 return None if not exists else f"{os.path.join(tree, *names[:depth])} (no package)"
