@@ -17,6 +17,9 @@ from .table import ROLES, ExitPath, read_exit_paths
 
 HELPER = "vllm/entrypoints/_rank_exception_fatal.py"
 HELPER_DIFF = "helper/helper.diff"
+# The helpers earlier bundles created (patches/superseded/helper/helper@COMMIT.diff, COMMIT
+# the bundle's): apply replaces one with today's, revert removes it.
+EARLIER_HELPERS = "superseded/helper"
 EXIT_PATH_TABLE = os.path.join(bundle.HERE, "releases", "exit_path.tsv")
 # The function each role's file defines, by which the file vLLM imports is told from a
 # re-export shim (0.29.0+ keep openai/api_server.py as one) or a file of another layout
@@ -71,18 +74,29 @@ def read_diff(name: str) -> str:
         raise Failure(BAD_BUNDLE, f"cannot read patches/{name}: {e}; copy the bundle again") from None
 
 
-def helper_bytes() -> bytes:
-    """The helper module as patches/helper/helper.diff creates it: the + lines of its one
-    hunk. (Read by hand, with str methods over the whole text: the gate reads it on every
-    run, and unidiff's import, or a loop over its lines, costs more.)"""
+def helper_bytes(name: str = HELPER_DIFF) -> bytes:
+    """The helper module as patches/NAME (by default helper/helper.diff) creates it: the +
+    lines of its one hunk. (Read by hand, with str methods over the whole text: the gate
+    reads it on every run, and unidiff's import, or a loop over its lines, costs more.)"""
     prefix = f"--- /dev/null\n+++ b/{HELPER}\n@@ -0,0 +1,"
-    body = check_integrity(HELPER_DIFF, read_diff(HELPER_DIFF))
+    body = check_integrity(name, read_diff(name))
     count, _, added = body[len(prefix):].partition(" @@\n") if body.startswith(prefix) else ("", "", "")
     length = int(count) if count.isascii() and count.isdigit() else 0
     # length lines, every one of them starting with +, and a newline at the end.
     if not length or not added.endswith("\n") or added.count("\n") != length or ("\n" + added).count("\n+") != length:
-        raise Failure(BAD_BUNDLE, f"patches/{HELPER_DIFF} is not the creation of {HELPER}: copy the bundle again")
+        raise Failure(BAD_BUNDLE, f"patches/{name} is not the creation of {HELPER}: copy the bundle again")
     return ("\n" + added).replace("\n+", "\n")[1:].encode("utf-8")
+
+
+def earlier_helper(data: bytes) -> "str | None":
+    """The diff under patches/ of the earlier bundle's helper these bytes are, if any."""
+    try:
+        names = sorted(name for name in os.listdir(os.path.join(bundle.PATCHES_DIR, EARLIER_HELPERS))
+                       if name.endswith(".diff"))
+    except OSError:
+        names = []
+    return next((f"{EARLIER_HELPERS}/{name}" for name in names if helper_bytes(f"{EARLIER_HELPERS}/{name}") == data),
+                None)
 
 
 def read_file(path: str) -> "bytes | None":
@@ -103,6 +117,8 @@ def read_helper(tree: str) -> Part:
         return Part("helper", HELPER, None, NOT_APPLIED_STATE, diff=HELPER_DIFF, fixed=fixed)
     if data == fixed:
         return Part("helper", HELPER, data, APPLIED_STATE, diff=HELPER_DIFF, fixed=fixed)
+    if earlier_helper(data):  # apply writes today's in its place
+        return Part("helper", HELPER, data, NOT_APPLIED_STATE, diff=HELPER_DIFF, fixed=fixed)
     return Part("helper", HELPER, data, DRIFTED_STATE, diff=HELPER_DIFF,
                 why=f"{HELPER} holds other bytes than patches/{HELPER_DIFF} creates (no release ships it: if no"
                     f" other program wrote it, remove it, then run again)")

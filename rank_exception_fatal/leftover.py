@@ -4,7 +4,7 @@ a bundle that did not list it in RECORD): found when no executor is, and removed
 import os
 import sys
 
-from .exit_path import HELPER, helper_bytes
+from .exit_path import HELPER, earlier_helper, helper_bytes
 from .outcome import NOT_APPLIED_STATE, OK, REVERTED, TARGET, Report
 
 
@@ -18,7 +18,8 @@ def left_after_uninstall(root: "str | None", revert: bool, not_found: Report) ->
     path = left[0]
     tree = path[: -len(HELPER) - 1]
     with open(path, "rb") as f:
-        ours = f.read() == helper_bytes()
+        data = f.read()
+    ours = data == helper_bytes() or earlier_helper(data) is not None
     if not revert or not ours:
         why = ("apply.py --revert removes it" if ours else
                "it holds other bytes than apply.py writes: remove it by hand if no other program wrote it")

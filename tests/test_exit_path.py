@@ -128,10 +128,10 @@ def test_helper_diff_is_the_creation_of_its_module(helper_root, tmp_path):
     assert imported.stdout.strip() == str(["vllm", "vllm.entrypoints", "vllm.entrypoints._rank_exception_fatal"])
 
 
-def server(helper_root: str, *steps: str) -> tuple[int, list[str]]:
+def server(helper_root: str, *steps: str, env: dict | None = None) -> tuple[int, list[str]]:
     """Run the stand-in API server through steps: (its exit status, its stdout lines)."""
     done = subprocess.run([sys.executable, os.path.join(TESTS, "exit_path_child.py"), helper_root, *steps],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     assert "Traceback" not in done.stderr, done.stderr
     return done.returncode, done.stdout.splitlines()
 
@@ -151,6 +151,22 @@ def test_a_death_the_server_saw_exits_1_with_the_two_lines_last(helper_root):
     event = last_event(lines)
     assert event["cause"] == "engine-core-died" and event["rank"] is None
     assert "the engine core ended with no worker failure recorded" in lines[-2]
+
+
+def test_the_event_goes_to_the_termination_message_file_where_there_is_one(helper_root, tmp_path):
+    """Kubernetes mounts the pod's terminationMessagePath as a file: the event is in the
+    pod's status whatever the log's last lines are. Where there is none, none is made."""
+    message = tmp_path / "termination-log"
+    message.write_text("")
+    variable = {"RANK_EXCEPTION_FATAL_TERMINATION_LOG": str(message)}
+    status, lines = server(helper_root, "arm", "dead", "checked", "exit", env=variable)
+    assert status == 1 and json.loads(message.read_text()) == last_event(lines)
+    message.write_text("")
+    assert server(helper_root, "arm", "stop", "dead", "checked", "exit", env=variable)[0] == 0
+    assert message.read_text() == "", "a stop writes nothing there"
+    message.unlink()
+    assert server(helper_root, "arm", "dead", "checked", "exit", env=variable)[0] == 1
+    assert not message.exists()
 
 
 def test_a_note_written_before_the_stop_exits_1_and_names_the_rank(helper_root):

@@ -309,3 +309,28 @@ def test_a_stale_pyc_of_the_helper_or_launcher_reads_1_and_apply_removes_it(role
     assert apply.main(["--root", root]) == 0
     assert not os.path.exists(pyc)
     assert apply.main(["--root", root, "--check"]) == 0
+
+
+def test_an_earlier_bundle_s_helper_reads_1_and_apply_replaces_it(make_tree, capsys):
+    """A node fixed by an earlier bundle: its helper is replaced by today's (and revert removes it)."""
+    from rank_exception_fatal import bundle
+    from rank_exception_fatal.exit_path import EARLIER_HELPERS
+
+    root = make_tree(VERSION)
+    assert apply.main(["--root", root]) == 0
+    for name in sorted(os.listdir(os.path.join(bundle.PATCHES_DIR, EARLIER_HELPERS))):
+        os.unlink(os.path.join(root, HELPER))
+        done = subprocess.run(["git", "apply", os.path.join(bundle.PATCHES_DIR, EARLIER_HELPERS, name)], cwd=root)
+        assert done.returncode == 0
+        earlier = read(os.path.join(root, HELPER))
+        code, report = report_of(capsys, "--root", root, "--check")
+        assert (code, states(report)["helper"]) == (1, "not-applied"), report
+        assert "helper remains to apply" in report["message"]
+        assert apply.main(["--root", root]) == 0
+        assert read(os.path.join(root, HELPER)) != earlier
+        assert apply.main(["--root", root, "--check"]) == 0
+    os.unlink(os.path.join(root, HELPER))
+    subprocess.run(["git", "apply", os.path.join(bundle.PATCHES_DIR, EARLIER_HELPERS, name)], cwd=root, check=True)
+    assert apply.main(["--root", root, "--revert"]) == 0
+    assert not os.path.exists(os.path.join(root, HELPER))
+    assert fix_files(make_tree(VERSION)) == {path: data for path, data in fix_files(root).items()}
