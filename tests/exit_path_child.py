@@ -10,7 +10,10 @@ holds its engine core processes, as that release's core_client.py does: 0.8.5, 0
 or 0.9.1 and later, the default); core:CODE (the engine core process ended with CODE,
 or "running"), core:ending:CODE (no status yet: it ends with CODE when joined),
 core:closed (reading its status raises, as a closed multiprocessing.Process's does); broken (reading the engine's state raises); checked
-(terminate_if_errored's hook); stop (the signal handler's hook); note:CAUSE[:STATUS]
+(terminate_if_errored's hook); stop (the signal handler's hook); serve-stop (the signal
+handler's hook called in a running event loop that then waits, as uvicorn waits for its
+connections: the engine client stops 0.2 s later and its open requests get what the hook
+gives them; the loop never ends by itself); note:CAUSE[:STATUS]
 (a cause note written by another process, as the engine's side writes it, with this
 process's environment); sleep:SECONDS; fork (a child forked now exits normally, running
 the atexit calls it inherits); exit (run_server's last call). vLLM's logger is set up
@@ -124,6 +127,24 @@ for step in steps:
         hooks.engine_checked(engine)
     elif step == "stop":
         hooks.stop_requested(app)
+    elif step == "serve-stop":
+        import asyncio
+
+        hooks.ANSWER_GRACE_SECONDS = 0.5
+        # What the hook imports to answer the open requests, as vLLM has it.
+        exceptions = SimpleNamespace(EngineDeadError=type("EngineDeadError", (Exception,), {}))
+        sys.modules.update({"vllm.v1": SimpleNamespace(), "vllm.v1.engine": SimpleNamespace(),
+                            "vllm.v1.engine.exceptions": exceptions})
+        engine.output_processor = SimpleNamespace(propagate_error=lambda e: print("answered", type(e).__name__,
+                                                                                  flush=True))
+
+        async def serving() -> None:
+            hooks.stop_requested(app)
+            await asyncio.sleep(0.2)
+            engine.is_running = False  # abort mode: the client's output handler is cancelled
+            await asyncio.Event().wait()  # uvicorn waiting for connections that never close
+
+        asyncio.run(serving())
     elif step.startswith("note:"):
         cause, _, status = step[len("note:"):].partition(":")
         note = {"cause": cause, "rank": 1, "node": 0, "call": "execute_model",

@@ -194,6 +194,31 @@ def test_a_stop_while_the_engine_was_alive_exits_0(helper_root):
     assert lines[-1] == "returned" and not any("engine died" in line for line in lines)
 
 
+def test_a_stop_whose_requests_stay_open_gives_them_the_error_and_ends_with_0(helper_root):
+    """vLLM's abort-mode stop cancels the engine client's output handler: its open requests
+    would wait for ever, and uvicorn with them. They get the client's error, and the
+    process ends soon after, with the status of a stop."""
+    status, lines = server(helper_root, "arm", "serve-stop")
+    assert status == 0, lines
+    assert "answered EngineDeadError" in lines
+    assert lines[-1].startswith("WARNING vllm.entrypoints._rank_exception_fatal: rank-exception-fatal: requests still"
+                                " open 0.5 s after the engine stopped: exiting now with status 0"), lines
+
+
+def test_a_stop_after_a_death_ends_with_1_and_its_two_lines_when_it_must_be_ended(helper_root):
+    status, lines = server(helper_root, "arm", "dead", "checked", "serve-stop")
+    assert status == 1, lines
+    event = json.loads(next(line for line in lines if line.startswith("{")))
+    assert event["cause"] == "engine-core-died"
+
+
+@pytest.mark.parametrize("before, status", [((), 0), (("dead", "checked"), 1)])
+def test_a_second_stop_signal_ends_the_process_at_once(before, status, helper_root):
+    status_seen, lines = server(helper_root, "arm", *before, "stop", "stop", "sleep:30")
+    assert status_seen == status, lines
+    assert f"a second stop signal: exiting now with status {status}" in lines[-1], lines
+
+
 def test_keep_alive_still_latches_the_death_for_a_later_stop(helper_root):
     # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: the release does not exit, the watchdog's check still records it.
     status, lines = server(helper_root, "arm", "dead", "checked", "alive", "stop", "exit")
