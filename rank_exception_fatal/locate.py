@@ -83,17 +83,18 @@ def not_the_source(spec, source: "str | None") -> "str | None":
     return os.path.join(directory, compiled[0]) if compiled else None
 
 
-def imported_instead(tree: str, relative: str, exists: bool, specs: "dict | None" = None) -> "str | None":
+def imported_instead(tree: str, relative: str, exists: bool, found: "dict | None" = None) -> "str | None":
     """None if Python, searching the tree holding vllm/, imports the module at relative
     (vllm/.../name.py) from that source file, or (exists False: a file apply creates)
     finds nothing there to take instead; else what it imports instead, by the executor's
-    rule. specs: the specs found for each module name, shared by the files of one
-    decision (their parent packages are mostly the same)."""
+    rule. found: the specs found for each module name, and the finder of each directory
+    searched, shared by the files of one decision (their parent packages are mostly the
+    same, and a finder lists its directory once)."""
     names = relative[: -len(".py")].split("/")
-    locations, spec, specs = [tree], None, {} if specs is None else specs
+    locations, spec, found = [tree], None, {} if found is None else found
     for depth in range(1, len(names) + 1):
         name = ".".join(names[:depth])
-        spec = specs[name] if name in specs else specs.setdefault(name, find_spec_in(name, locations))
+        spec = found[name] if name in found else found.setdefault(name, find_spec_in(name, locations, found))
         if depth < len(names):
             if spec is None or not spec.submodule_search_locations:
                 return None if not exists else f"{os.path.join(tree, *names[:depth])} (no package)"
@@ -129,13 +130,17 @@ def read_target(path: str) -> "tuple[bytes, str | None]":
         return data, None
 
 
-def find_spec_in(name: str, locations: "Sequence[str]"):
+def find_spec_in(name: str, locations: "Sequence[str]", finders: "dict | None" = None):
     """The spec the import system would find for name in these locations, as
     importlib.machinery.PathFinder finds it, but without importing name's parents
-    (whose namespace paths it would read from sys.modules)."""
+    (whose namespace paths it would read from sys.modules). finders: each location's
+    finder, kept for the next call."""
     portions: list[str] = []
     for location in locations:
-        finder = path_entry_finder(location)
+        if finders is None:
+            finder = path_entry_finder(location)
+        else:
+            finder = finders.get(location) or finders.setdefault(location, path_entry_finder(location))
         spec = finder.find_spec(name) if finder is not None else None
         if spec is None:
             continue
