@@ -430,10 +430,6 @@ def test_concurrent_applies_and_reverts_serialize(make_tree):
     write(log, b"")
     outputs = [os.path.join(os.path.dirname(root), f"run{n}.{stream}") for n in range(8) for stream in ("out", "err")]
     runs = []
-    for n in range(8):
-        with open(outputs[2 * n], "w") as out, open(outputs[2 * n + 1], "w") as err:
-            runs.append(subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2), log], cwd=BUNDLE,
-                                         stdout=out, stderr=err))
 
     def whole_files_until_all_ended() -> bool:
         ended = all(run.poll() is not None for run in runs)  # before the read: the last state is read too
@@ -442,7 +438,16 @@ def test_concurrent_applies_and_reverts_serialize(make_tree):
             assert now.get(path) in side, f"{path}: neither the release's bytes nor the fix's"
         return ended
 
-    wait_for(whole_files_until_all_ended, "8 processes' 96 applies and reverts", every=0.05)
+    try:
+        for n in range(8):
+            with open(outputs[2 * n], "w") as out, open(outputs[2 * n + 1], "w") as err:
+                runs.append(subprocess.Popen([sys.executable, "-c", TURNS, root, str(n % 2), log], cwd=BUNDLE,
+                                             stdout=out, stderr=err))
+        wait_for(whole_files_until_all_ended, "8 processes' 96 applies and reverts", every=0.05)
+    finally:  # none left running when the test fails
+        for run in runs:
+            run.kill()
+            run.wait()
     for n, run in enumerate(runs):
         err, out = read(outputs[2 * n + 1]).decode(), read(outputs[2 * n]).decode()
         assert (run.returncode, err) == (0, ""), (n, run.returncode, err)
