@@ -165,6 +165,19 @@ EVENT_START = '{"event": "vllm.engine_died"'
 API_SERVER_RECORD = re.compile(r"\(APIServer pid=\d+\) (DEBUG|INFO|WARNING|ERROR|CRITICAL)[: ]")
 
 
+def event_read_back(lines: list[str]) -> dict | None:
+    """The event as README tells a supervisor to find it: reading back from the log's end,
+    the first line that parses as JSON with "event": "vllm.engine_died"."""
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("event") == "vllm.engine_died":
+            return record
+    return None
+
+
 def assert_the_exit(lines: list[str], status: int | None, exit_path: str, cause: dict | None = None) -> dict | None:
     """The API server's exit, given its output lines and exit status: with the release's
     exit path, status 0 and no event; with the diffs, status 1, the reason through vLLM's
@@ -180,6 +193,7 @@ def assert_the_exit(lines: list[str], status: int | None, exit_path: str, cause:
         return None
     assert status == 1 and len(events) == 1, (status, lines[-40:])
     event = json.loads(lines[events[0]])
+    assert event_read_back(lines) == event, "README's rule for a supervisor finds another record"
     assert (event["exit_status"], event["vllm_version"]) == (1, VERSION), event
     # The reason: the API server's last log record before the event (another process's
     # output can land between them).
