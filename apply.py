@@ -33,14 +33,13 @@ def missing_package(why: str) -> int:
 
 
 sys.path.insert(0, HERE)
-if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "cli.py")):  # never another bundle's, further on the path
-    raise SystemExit(missing_package("is not whole (rank_exception_fatal/cli.py is missing)"
-                                     if os.path.isdir(os.path.join(HERE, "rank_exception_fatal")) else "is missing"))
+# Never another bundle's package, found further on the path.
+if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "__init__.py")):
+    raise SystemExit(missing_package("is missing"))
 try:
-    from rank_exception_fatal import missing_module
+    from rank_exception_fatal import missing_module, of_the_bundle
 
-    # Any module a mode imports later, refused now, not with a traceback in the middle of a run.
-    missing = missing_module()
+    missing = missing_module()  # any module a mode imports later: refused now, not with a traceback halfway
     if missing is None:
         from rank_exception_fatal.cli import main
 except Exception as e:  # a damaged copy, or a Python the package cannot run on: one line, never a traceback
@@ -48,18 +47,10 @@ except Exception as e:  # a damaged copy, or a Python the package cannot run on:
 if missing:
     raise SystemExit(missing_package(f"is not whole ({missing} is missing)"))
 
-
-def of_the_bundle(error: BaseException) -> bool:
-    """An import error in a module of the package (one damaged after the start): a bundle fault."""
-    package = os.path.join(HERE, "rank_exception_fatal", "")
-    where = getattr(error, "filename", None) or getattr(error, "path", None) or ""
-    return (getattr(error, "name", None) or "").startswith("rank_exception_fatal") or where.startswith(package)
-
-
 if __name__ == "__main__":
     try:
         code = main()
-    except (ImportError, SyntaxError) as e:
+    except (ImportError, SyntaxError) as e:  # a module of the bundle damaged: one line, never a traceback
         if not of_the_bundle(e):
             raise
         code = missing_package(f"cannot be loaded ({type(e).__name__}: {e})")

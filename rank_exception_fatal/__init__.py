@@ -30,3 +30,13 @@ def missing_module() -> "str | None":
     present = {*os.listdir(here), *(f"loop_probe/{name}" for name in (os.listdir(probe) if os.path.isdir(probe) else ()))}
     missing = [module for module in MODULES if f"{module}.py" not in present]
     return f"rank_exception_fatal/{missing[0]}.py" if missing else None
+
+
+def of_the_bundle(error: BaseException) -> bool:
+    """Whether an ImportError or SyntaxError met during a run is a module of this package
+    that cannot be loaded (damaged after the start check): a bundle fault, exit 5."""
+    import os
+
+    package = os.path.join(os.path.dirname(os.path.realpath(__file__)), "")
+    where = getattr(error, "filename", None) or getattr(error, "path", None) or ""
+    return (getattr(error, "name", None) or "").startswith(__name__) or os.path.realpath(where).startswith(package)

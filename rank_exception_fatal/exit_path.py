@@ -236,9 +236,9 @@ def read_exit_path(tree: str, *, plan: bool = True, exact: bool = False) -> list
              for role in WRITE_ORDER]
     from .locate import imported_instead, not_a_source_words
 
-    found: dict = {}
+    listings: dict = {}
     for part in parts:  # decided as the import system finds it, as the executor is (locate_target)
-        instead = imported_instead(tree, part.path, part.data is not None, found)
+        instead = imported_instead(tree, part.path, part.data is not None, listings)
         if instead:
             raise Failure(NOT_A_SOURCE_FILE, not_a_source_words(part.role, instead))
     return parts

@@ -51,7 +51,8 @@ def locate_target(root: "str | None") -> str:
         locations = list(spec.submodule_search_locations or ())
     source = isinstance(spec.loader, import_system_class("SourceFileLoader")) and spec.origin.endswith(
         os.sep + os.path.basename(TARGET))  # not a package's __init__.py
-    shadow = not_the_source(spec, spec.origin if source else None)
+    tree = spec.origin[: -len(TARGET) - 1] if source and spec.origin.endswith(os.sep + TARGET) else None
+    shadow = spec.origin if not source or tree is None else imported_instead(tree, TARGET, True)
     if shadow:
         raise Failure(NOT_A_SOURCE_FILE, not_a_source_words("executor", shadow))
     return spec.origin
@@ -62,44 +63,47 @@ def not_a_source_words(what: str, origin: str) -> str:
             " (a compiled module, bytecode without its source, a package directory, or a zip); nothing was written")
 
 
-def not_the_source(spec, source: "str | None") -> "str | None":
-    """None if the import system takes this module from the source file source; else what it
-    takes instead (spec None: nothing there, a source file not created yet, is fine if
-    source is None). Stricter than one Python's rule: a compiled module of any CPython
-    beside the source counts, as the server's Python may be another than this one."""
-    if spec is None:
-        return None if source is None else "nothing (no such module)"
-    if spec.loader is None or not spec.origin or os.path.abspath(spec.origin) != os.path.abspath(source or ""):
-        return spec.origin or next(iter(spec.submodule_search_locations or ()), spec.name)
-    if not os.path.isfile(source):
-        return spec.origin
-    directory, name = os.path.split(source)
-    stem = name[: -len(".py")] + "."
-    try:
-        compiled = sorted(entry for entry in os.listdir(directory)
-                          if entry.startswith(stem) and entry.endswith((".so", ".pyd")))
-    except OSError:
-        compiled = []
-    return os.path.join(directory, compiled[0]) if compiled else None
+def imported_instead(tree: str, relative: str, exists: bool, listings: "dict | None" = None) -> "str | None":
+    """None if Python, importing the module at relative (vllm/.../name.py) from the tree
+    holding vllm/, takes that source file, or (exists False: a file apply creates) finds
+    nothing there to take instead; else what it takes instead. The import system's rule
+    for a name in a directory (FileFinder's order: a package directory, then an extension
+    module, then the source; a directory without __init__ only when none of these is
+    there), read from each directory's listing; stricter in one way: an extension module
+    built for any CPython counts, as the server's Python may be another than this one.
+    listings: each directory's names, shared by the files of one decision."""
+    listings = {} if listings is None else listings
 
+    def names(directory: str) -> "set[str]":
+        if directory not in listings:
+            try:
+                listings[directory] = set(os.listdir(directory))
+            except OSError:  # not a directory, or none
+                listings[directory] = set()
+        return listings[directory]
 
-def imported_instead(tree: str, relative: str, exists: bool, found: "dict | None" = None) -> "str | None":
-    """None if Python, searching the tree holding vllm/, imports the module at relative
-    (vllm/.../name.py) from that source file, or (exists False: a file apply creates)
-    finds nothing there to take instead; else what it imports instead, by the executor's
-    rule. found: the specs found for each module name, and the finder of each directory
-    searched, shared by the files of one decision (their parent packages are mostly the
-    same, and a finder lists its directory once)."""
-    names = relative[: -len(".py")].split("/")
-    locations, spec, found = [tree], None, {} if found is None else found
-    for depth in range(1, len(names) + 1):
-        name = ".".join(names[:depth])
-        spec = found[name] if name in found else found.setdefault(name, find_spec_in(name, locations, found))
-        if depth < len(names):
-            if spec is None or not spec.submodule_search_locations:
-                return None if not exists else f"{os.path.join(tree, *names[:depth])} (no package)"
-            locations = list(spec.submodule_search_locations)
-    return not_the_source(spec, os.path.join(tree, relative) if exists or spec is not None else None)
+    parts = relative[: -len(".py")].split("/")
+    directory = tree
+    for depth, name in enumerate(parts):
+        here, package = names(directory), os.path.join(directory, name)
+        inits = sorted(entry for entry in names(package) if entry.startswith("__init__.")) if name in here else []
+        modules = sorted(entry for entry in here if entry.startswith(name + ".")
+                         and (entry.endswith((".so", ".pyd")) or entry == name + ".py"))
+        if depth < len(parts) - 1:  # a package on the way: its directory, unless a module takes the name
+            if name not in here:
+                return None if not exists else f"{package} (no such package)"
+            if not inits and modules:
+                return os.path.join(directory, modules[0])
+        elif inits:
+            return os.path.join(package, inits[0])
+        else:
+            compiled = [entry for entry in modules if entry != name + ".py"]
+            if compiled:
+                return os.path.join(directory, compiled[0])
+            if exists and name + ".py" not in here:
+                return f"{package}.py (not there)"
+        directory = package
+    return None
 
 
 def import_system_class(name: str) -> type:
@@ -130,17 +134,13 @@ def read_target(path: str) -> "tuple[bytes, str | None]":
         return data, None
 
 
-def find_spec_in(name: str, locations: "Sequence[str]", finders: "dict | None" = None):
+def find_spec_in(name: str, locations: "Sequence[str]"):
     """The spec the import system would find for name in these locations, as
     importlib.machinery.PathFinder finds it, but without importing name's parents
-    (whose namespace paths it would read from sys.modules). finders: each location's
-    finder, kept for the next call."""
+    (whose namespace paths it would read from sys.modules)."""
     portions: list[str] = []
     for location in locations:
-        if finders is None:
-            finder = path_entry_finder(location)
-        else:
-            finder = finders.get(location) or finders.setdefault(location, path_entry_finder(location))
+        finder = path_entry_finder(location)
         spec = finder.find_spec(name) if finder is not None else None
         if spec is None:
             continue
