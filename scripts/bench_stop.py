@@ -2,7 +2,7 @@
 
     python3 scripts/bench_stop.py [--count N] [--python PY] [--installs release,patched]
                                   [--variant none|graceful:S|fail-pending|abort-grace:S|shutdown-timeout:S]
-                                  [--out FILE] [--logs DIR] [--recorded FILE]
+                                  [--to group|server] [--out FILE] [--logs DIR] [--recorded FILE]
 
 Run it with the test venv's Python (it imports tests/live_server/cpu_install.py, which
 needs pytest): `~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/bench_stop.py`.
@@ -14,7 +14,8 @@ live tests' tiny model: tests/live_server/server.py), keeps 4 completions of --m
 tokens in flight (each client sends the next as soon as one ends), and, half-way through
 the first round (timed by a warm-up round of 4), sends SIGTERM, or SIGINT every other
 round, to the server's whole process group (os.killpg, as supervisord's stopasgroup and
-systemd's control-group kill do). Per stop it records: whether the API server exited
+systemd's control-group kill do; --to server: the API server alone, as `docker stop` and
+a pod's termination signal its PID 1). Per stop it records: whether the API server exited
 within --stop-wait (30 s), its exit status and time; if it did not, a second SIGTERM to
 the group and whether that ended it within --second-wait (5 s, before the clients give
 up), else whether it ended once they had; the death lines (the fix's `engine died:` ERROR line,
@@ -43,16 +44,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,20 +58,9 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import (  # noqa: E402
-    FIX_EXIT,
-    MONITOR,
-    PROMPT,
-    Server,
-    group_alive,
-    group_left,
-    group_members,
-    make_model,
-    python_of,
-    with_private_shm,
-)
+from live_server.server import FIX_EXIT, MONITOR, group_left, group_members, make_model, python_of  # noqa: E402
+from live_server.stop_load import Clients, StopServer, wait_exit, warm_up  # noqa: E402
 
-CLIENTS = 4
 EVENT = '"event": "vllm.engine_died"'
 WAITING = "Waiting for connections to close"
 # The release's own shutdown lines, kept as flags: what the stop went through.
@@ -88,130 +75,6 @@ MARKS = {
     "http_shutdown": re.compile(r"API server: shutting down FastAPI HTTP server"),
     "application_shutdown_complete": re.compile(r"Application shutdown complete"),
 }
-
-
-class StopServer(Server):
-    """server.Server with the API server itself as its process's leader: its exit status is
-    the Popen's (Server.start wraps it in a shell that keeps the shell's status when a group
-    signal reaches it too). Still in a /dev/shm of its own."""
-
-    extra_args: list[str] = []
-
-    def command(self) -> list[str]:
-        return super().command() + self.extra_args
-
-    def start(self) -> None:
-        self.log = open(os.path.join(self.workdir, "server.log"), "w")
-        self.proc = subprocess.Popen(
-            with_private_shm(self.command()),  # `exec`: the Popen's pid is the API server
-            env=self.environment(), cwd=self.workdir, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-            start_new_session=True,
-        )
-        threading.Thread(target=self._read_output, daemon=True).start()
-
-    def kill_group(self) -> None:
-        """SIGKILL what is left of the group, then close the log (instead of Server.stop,
-        which reads the shell's list of /dev/shm leftovers that this start does not make)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + 10
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.proc.wait()
-        self._stop_polling.set()
-        deadline = time.monotonic() + 5
-        while self.exited_at is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # the reader's last lines
-        self.log.close()
-
-
-# --- the clients --------------------------------------------------------------------------
-
-
-def completion(port: int, model: str, max_tokens: int, timeout: float) -> dict:
-    """One non-streamed completion: {"outcome": full|abort|http<N>|reset|timeout|refused|error, ...}."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        data = response.read().decode("utf-8", "replace")
-        if response.status != 200:
-            return {"outcome": f"http{response.status}", "body": data[:200]}
-        answer = json.loads(data)
-        reason = answer["choices"][0]["finish_reason"]
-        tokens = (answer.get("usage") or {}).get("completion_tokens")
-        return {"outcome": "full" if reason in ("length", "stop") else str(reason), "tokens": tokens}
-    except TimeoutError:
-        return {"outcome": "timeout"}
-    except ConnectionRefusedError:
-        return {"outcome": "refused"}
-    except (ConnectionError, http.client.HTTPException) as e:  # RemoteDisconnected, reset, IncompleteRead
-        return {"outcome": "reset", "error": f"{type(e).__name__}: {e}"[:200]}
-    except (OSError, ValueError, KeyError) as e:
-        return {"outcome": "error", "error": f"{type(e).__name__}: {e}"[:200]}
-    finally:
-        conn.close()
-
-
-class Clients:
-    """CLIENTS threads, each sending the next completion as soon as one ends, until stopped."""
-
-    def __init__(self, port: int, model: str, max_tokens: int, timeout: float) -> None:
-        self.args = (port, model, max_tokens, timeout)
-        self.stopped = threading.Event()
-        self.requests: list[list[dict]] = [[] for _ in range(CLIENTS)]
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(CLIENTS)]
-
-    def start(self) -> None:
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self, k: int) -> None:
-        while not self.stopped.is_set():
-            started = time.time()
-            self.requests[k].append({"started": started, **completion(*self.args), "ended": time.time()})
-
-    def join(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-    def in_flight_at(self, t0: float) -> list[dict]:
-        """Each client's request that the stop met (started before it, not ended), in seconds after it."""
-        found = []
-        for requests in self.requests:
-            met = [r for r in requests if r["started"] < t0 <= r["ended"]]
-            if not met:
-                found.append({"outcome": "none-in-flight"})
-                continue
-            r = dict(met[0])
-            r["running_for"] = round(t0 - r.pop("started"), 2)
-            r["answered_after"] = round(r.pop("ended") - t0, 2)
-            found.append(r)
-        return found
-
-
-def warm_up(port: int, model: str, max_tokens: int) -> float:
-    """Seconds that CLIENTS concurrent completions take on this server (the second of two rounds)."""
-    took = 0.0
-    for _ in range(2):
-        clients = Clients(port, model, max_tokens, 120)
-        started = time.time()
-        threads = [threading.Thread(target=lambda k=k: clients.requests[k].append(completion(port, model, max_tokens, 120)))
-                   for k in range(CLIENTS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        took = time.time() - started
-        outcomes = [r[0]["outcome"] for r in clients.requests]
-        if outcomes != ["full"] * CLIENTS:
-            raise RuntimeError(f"warm-up completions: {outcomes}")
-    return took
 
 
 # --- the variants: a bounded-stop mechanism tried by hand ----------------------------------
@@ -281,7 +144,7 @@ def one_stop(args, model: str, work: str, install: str, sig: signal.Signals) -> 
         server.extra_args = ["--shutdown-timeout", args.variant.split(":", 1)[1]]
     server.start()
     pgid = server.proc.pid
-    record: dict = {"install": install, "signal": sig.name, "variant": args.variant}
+    record: dict = {"install": install, "signal": sig.name, "variant": args.variant, "to": args.to}
     try:
         server.wait_ready()
         took = warm_up(server.port, model, args.max_tokens)
@@ -291,12 +154,15 @@ def one_stop(args, model: str, work: str, install: str, sig: signal.Signals) -> 
         time.sleep(took / 2)  # half-way through the first round: every request mid-generation
         clients.stopped.set()
         t0 = time.time()
-        os.killpg(pgid, sig)
+        if args.to == "group":
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pgid, sig)  # the API server alone (docker stop, a pod's PID 1)
         status = wait_exit(server, t0 + args.stop_wait)
         record["exited_in_wait"] = status is not None
         if status is None:  # stuck: a second SIGTERM, as a supervisor might send
             record["second_sigterm_at"] = round(time.time() - t0, 2)
-            os.killpg(pgid, signal.SIGTERM)
+            (os.killpg if args.to == "group" else os.kill)(pgid, signal.SIGTERM)
             status = wait_exit(server, time.time() + args.second_wait)
             record["second_sigterm_ended_it"] = status is not None
         clients.join(args.client_timeout + 10)
@@ -315,16 +181,6 @@ def one_stop(args, model: str, work: str, install: str, sig: signal.Signals) -> 
     finally:
         server.kill_group()
     return record
-
-
-def wait_exit(server: StopServer, deadline: float) -> int | None:
-    while time.time() < deadline:
-        status = server.proc.poll()
-        if status is not None:
-            server.exit_seen = getattr(server, "exit_seen", None) or time.time()
-            return status
-        time.sleep(0.02)
-    return None
 
 
 def read_log(server: StopServer, t0: float, record: dict) -> None:
@@ -347,9 +203,11 @@ OUTCOMES = ("full", "abort", "http500", "reset", "timeout", "refused", "none-in-
 def summary(records: list[dict]) -> str:
     rows = [f"{'install':8} {'variant':20} {'stops':>5} {'exit0<30s':>9} {'stuck':>5} {'2nd TERM ends':>13} {'ends at client timeout':>22} "
             f"{'exit!=0':>7} {'death':>5} {'waiting':>7} {'left':>4}  exit s (median, max)  clients' in-flight requests"]
-    keys = sorted({(r["install"], r["variant"]) for r in records}, key=lambda k: (k[1], k[0] != "release"))
-    for install, variant in keys:
-        mine = [r for r in records if (r["install"], r["variant"]) == (install, variant)]
+    keys = sorted({(r["install"], r.get("to", "group"), r["variant"]) for r in records},
+                  key=lambda k: (k[1], k[2], k[0] != "release"))
+    for install, to, variant in keys:
+        mine = [r for r in records if (r["install"], r.get("to", "group"), r["variant"]) == (install, to, variant)]
+        label = variant if to == "group" else f"{variant}, to server"
         quick = [r for r in mine if r["exited_in_wait"] and r["exit_status"] == 0]
         stuck = [r for r in mine if not r["exited_in_wait"]]
         ended = sum(1 for r in stuck if r.get("second_sigterm_ended_it"))
@@ -359,7 +217,7 @@ def summary(records: list[dict]) -> str:
         waiting = sum(1 for r in mine if "waiting_for_connections" in r["marks"])
         left = sum(1 for r in mine if r["left"])
         times = sorted(r["exit_seconds"] for r in mine if r["exited_in_wait"])
-        median = f"{times[len(times) // 2]:.2f}, {times[-1]:.2f}" if times else "-"
+        median = f"{times[len(times) // 2]:.2f}, {times[-1]:.2f}" if times else "-"  # the upper median
         counts: dict[str, int] = {}
         for r in mine:
             for c in r["clients"]:
@@ -367,7 +225,7 @@ def summary(records: list[dict]) -> str:
         got = ", ".join(f"{name} {counts[name]}" for name in [*OUTCOMES, *sorted(set(counts) - set(OUTCOMES))]
                         if name in counts)
         nonzero_text = f"{len(nonzero)}" + (f" ({','.join(str(r['exit_status']) for r in nonzero)})" if nonzero else "")
-        rows.append(f"{install:8} {variant:20} {len(mine):>5} {len(quick):>9} {len(stuck):>5} "
+        rows.append(f"{install:8} {label:20} {len(mine):>5} {len(quick):>9} {len(stuck):>5} "
                     f"{f'{ended}/{len(stuck)}':>13} {f'{gave_up}/{len(stuck)}':>22} {nonzero_text:>7} {death:>5} {waiting:>7} {left:>4}  "
                     f"{median:>20}  {got}")
     return "\n".join(rows)
@@ -381,7 +239,7 @@ def per_stop(r: dict) -> str:
         f" stuck; 2nd SIGTERM {'ended it' if r.get('second_sigterm_ended_it') else 'did nothing'}"
         + ("" if r.get("second_sigterm_ended_it") else
            f", {'ended' if r.get('ended_after_clients_gave_up') else 'still running'} once the clients gave up"))
-    return (f"{r['install']:8} {r['signal']:7} status {status:>4} in {secs:>6} s{extra}; death "
+    return (f"{r['install']:8} {r['signal']:7} {r.get('to', 'group'):6} status {status:>4} in {secs:>6} s{extra}; death "
             f"{'yes' if r['death_line'] or r['death_event'] else 'no'}; waiting "
             f"{'yes' if 'waiting_for_connections' in r['marks'] else 'no'}; left {len(r['left'])}; {clients}")
 
@@ -394,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--installs", default="release,patched", help="comma-separated, alternated in this order")
     parser.add_argument("--variant", default="none",
                         help="none, graceful:SECONDS, fail-pending, abort-grace:SECONDS, shutdown-timeout:SECONDS")
+    parser.add_argument("--to", choices=("group", "server"), default="group",
+                        help="signal the whole process group (default) or the API server alone")
     parser.add_argument("--max-tokens", type=int, default=240, help="tokens per completion (max-model-len is 256)")
     parser.add_argument("--client-timeout", type=float, default=40.0)
     parser.add_argument("--stop-wait", type=float, default=30.0, help="seconds the first signal is given")
