@@ -37,15 +37,15 @@ sys.path.insert(0, HERE)
 if not os.path.isfile(os.path.join(HERE, "rank_exception_fatal", "__init__.py")):
     raise SystemExit(missing_package("is missing"))
 try:
-    from rank_exception_fatal import missing_module, of_the_bundle
+    from rank_exception_fatal import damaged_file, of_the_bundle
 
-    missing = missing_module()  # any module a mode imports later: refused now, not with a traceback halfway
-    if missing is None:
+    damaged = damaged_file()  # any module a mode imports later: refused now, not halfway with a wrong answer
+    if damaged is None:
         from rank_exception_fatal.cli import main
 except Exception as e:  # a damaged copy, or a Python the package cannot run on: one line, never a traceback
     raise SystemExit(missing_package(f"cannot be loaded ({type(e).__name__}: {e})")) from None
-if missing:
-    raise SystemExit(missing_package(f"is not whole ({missing} is missing)"))
+if damaged:
+    raise SystemExit(missing_package(f"is not whole ({damaged})"))
 
 if __name__ == "__main__":
     try:
@@ -54,4 +54,6 @@ if __name__ == "__main__":
         if not of_the_bundle(e):
             raise
         code = missing_package(f"cannot be loaded ({type(e).__name__}: {e})")
+    if not isinstance(code, int):  # never a status the bundle did not decide (a None would read as 0)
+        code = missing_package(f"cannot be run (it answered {code!r}, not an exit code)")
     raise SystemExit(code)

@@ -10,26 +10,35 @@ change (plan, then the one write primitive in disk) and bytecode; check is the g
 verify runs the installed vLLM's own loop. outcome holds the vocabulary every module
 speaks. Standard library only (unidiff parses a diff, once one must be parsed)."""
 
-# Every module of the package, any of which a run may import (each mode imports its own, a
-# child imports the probe's): apply.py refuses a bundle copied without one, exit 5 in one
-# line, before the run begins, not with a traceback halfway through it (the list is checked
-# against the package by tests/test_apply.py).
-MODULES = ("adapt", "bindings", "bundle", "bytecode", "change", "check", "children", "cli", "decide", "disk",
-           "drift", "earlier", "exit_path", "fileset", "hooks", "installed", "judged", "leftover", "locate", "match",
-           "outcome", "proof", "reports", "running", "seal", "spawn", "table", "verify", "loop_probe/__init__",
-           "loop_probe/cases", "loop_probe/child", "loop_probe/extract", "loop_probe/stand_ins")
+# Every file of the package, and the loop test beside it, by its size in bytes: any of
+# them a run may import (each mode imports its own, a child the probe's). apply.py refuses
+# a bundle copied without one, or with one cut short (cut at a line's end it may still
+# compile, and end a run with a wrong answer): exit 5 in one line, before the run begins.
+# tests/test_apply.py checks these against the files and prints them anew after an edit.
+FILES = {"../test_rank_exception_fatal.py": 41540, "adapt.py": 6038, "bindings.py": 5841, "bundle.py": 6367,
+         "bytecode.py": 3566, "change.py": 11700, "check.py": 6876, "children.py": 1886, "cli.py": 14208,
+         "decide.py": 1821, "disk.py": 7562, "drift.py": 5559, "earlier.py": 7030, "exit_path.py": 18274,
+         "fileset.py": 16401, "hooks.py": 3629, "installed.py": 11677, "judged.py": 5223, "leftover.py": 2869,
+         "locate.py": 18703, "loop_probe/__init__.py": 499, "loop_probe/cases.py": 10123,
+         "loop_probe/child.py": 10149, "loop_probe/extract.py": 15675, "loop_probe/stand_ins.py": 2185,
+         "match.py": 4039, "outcome.py": 4035, "proof.py": 7386, "reports.py": 2929, "running.py": 10388,
+         "seal.py": 1135, "spawn.py": 1130, "table.py": 12237, "verify.py": 16392}
 
 
-def missing_module() -> "str | None":
-    """The first of MODULES that is not beside this file, as its path in the bundle; None
-    if the package is whole."""
+def damaged_file() -> "str | None":
+    """The first of FILES missing or of another size, as its path in the bundle; None if
+    the package is whole."""
     import os
 
     here = os.path.dirname(os.path.realpath(__file__))
-    probe = os.path.join(here, "loop_probe")
-    present = {*os.listdir(here), *(f"loop_probe/{name}" for name in (os.listdir(probe) if os.path.isdir(probe) else ()))}
-    missing = [module for module in MODULES if f"{module}.py" not in present]
-    return f"rank_exception_fatal/{missing[0]}.py" if missing else None
+    for name, size in FILES.items():
+        try:
+            if os.stat(os.path.join(here, name)).st_size == size:
+                continue
+            return f"{os.path.normpath(os.path.join('rank_exception_fatal', name))} is cut short or changed"
+        except OSError:
+            return f"{os.path.normpath(os.path.join('rank_exception_fatal', name))} is missing"
+    return None
 
 
 def of_the_bundle(error: BaseException) -> bool:

@@ -100,7 +100,7 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
     the table does not know it), and every write checked possible, before any is written;
     under one lock on vllm/ (the executor's own, on its directory, inside it)."""
     from .change import run_change
-    from .disk import DirectoryLock, check_writable, replace_file
+    from .disk import DirectoryLock, check_writable
 
     tree = tree_of(path)
     with DirectoryLock(os.path.join(tree, "vllm")):
@@ -130,11 +130,12 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
             # The row first: a run cut short then leaves a row without its file, which pip's uninstall skips,
             # never the module without its row.
             if record:
-                replace_file(*record)
+                still_as_decided(tree, parts)
+                record_written(*record)
             after, kept = write_exit_path(tree, parts, revert=False, pycache_prefix=pycache_prefix)
             executor = executor_written(path, fixes, pycache_prefix, exact, parts, after, planned)
         if record and revert:
-            replace_file(*record)
+            record_written(*record)
     written = [new for old, new in zip(parts, after) if old.data != new.data]
     report = set_report(path, executor, after, revert=revert, written=written, before=parts)
     if record and report.code in (OK, NOT_APPLIED):
@@ -148,10 +149,11 @@ def change_set(path: str, fixes, pycache_prefix: "str | None", *, revert: bool, 
     return report
 
 
-def record_change(path: str, parts: list[Part], revert: bool) -> "tuple[str, bytes] | None":
-    """(the owning wheel's RECORD, its new bytes) where it does not list the helper as the
-    run leaves it (a row while the module exists, none once it is removed, so that `pip
-    uninstall` removes what apply created); None where it does, or where no RECORD is."""
+def record_change(path: str, parts: list[Part], revert: bool) -> "tuple[str, bytes, bytes] | None":
+    """(the owning wheel's RECORD, its bytes, its new bytes) where it does not list the
+    helper as the run leaves it (a row while the module exists, none once it is removed,
+    so that `pip uninstall` removes what apply created); None where it does, or where no
+    RECORD is."""
     from .installed import owning_record, record_with
 
     record = owning_record(path)
@@ -165,7 +167,20 @@ def record_change(path: str, parts: list[Part], revert: bool) -> "tuple[str, byt
         return None  # not a RECORD pip could read either: left as it is
     helper = next(part for part in parts if part.role == "helper")
     new = record_with(text, HELPER, None if revert else helper.fixed).encode("utf-8")
-    return None if new == data else (record, new)
+    return None if new == data else (record, data, new)
+
+
+def record_written(record: str, old: bytes, new: bytes) -> None:
+    """RECORD replaced by new, unless another program (pip) changed it since it was read:
+    then exit 9, its bytes kept."""
+    from .disk import replace_file
+    from .exit_path import read_file
+    from .outcome import CHANGED_AFTER_WRITE, Failure
+
+    if read_file(record) != old:
+        raise Failure(CHANGED_AFTER_WRITE, f"{record} changed while apply.py ran: another program writes the"
+                                           " install; run again")
+    replace_file(record, new)
 
 
 def executor_planned(path: str, fixes, exact: bool) -> "tuple[bytes, bytes] | Report":

@@ -76,9 +76,10 @@ def record_with(text: str, relative: str, data: bytes | None) -> str:
     """RECORD's text with the file's row as data gives it (None: no row for it), the others
     as they are; the row is added at the end."""
     lines = [line for line in text.splitlines(True) if not line.startswith(relative + ",")]
+    end = "\r\n" if text.endswith("\r\n") else "\n"  # pip writes its RECORD with csv's \r\n
     if lines and not lines[-1].endswith("\n"):
-        lines[-1] += "\n"
-    return "".join(lines) + (record_row(relative, data) + "\n" if data is not None else "")
+        lines[-1] += end
+    return "".join(lines) + (record_row(relative, data) + end if data is not None else "")
 
 
 def record_hash(path: str) -> str:

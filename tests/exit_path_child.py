@@ -13,7 +13,10 @@ core:closed (reading its status raises, as a closed multiprocessing.Process's do
 (terminate_if_errored's hook); stop (the signal handler's hook); serve-stop (the signal
 handler's hook called in a running event loop that then waits, as uvicorn waits for its
 connections: the engine client stops 0.2 s later and its open requests get what the hook
-gives them; the loop never ends by itself); note:CAUSE[:STATUS]
+gives them; the loop never ends by itself); serve-stop-raise (the same, but the loop
+raises 0.2 s after the engine client stopped, as a run_server that fails, and the
+interpreter's exit then takes a second); say (print what the exit would say: the
+verdict); note:CAUSE[:STATUS]
 (a cause note written by another process, as the engine's side writes it, with this
 process's environment); sleep:SECONDS; fork (a child forked now exits normally, running
 the atexit calls it inherits); exit (run_server's last call). vLLM's logger is set up
@@ -127,8 +130,11 @@ for step in steps:
         hooks.engine_checked(engine)
     elif step == "stop":
         hooks.stop_requested(app)
-    elif step == "serve-stop":
+    elif step == "say":
+        print("verdict", hooks._say_why(), flush=True)
+    elif step in ("serve-stop", "serve-stop-raise"):
         import asyncio
+        import atexit
 
         hooks.ANSWER_GRACE_SECONDS = 0.5
         # What the hook imports to answer the open requests, as vLLM has it.
@@ -142,9 +148,17 @@ for step in steps:
             hooks.stop_requested(app)
             await asyncio.sleep(0.2)
             engine.is_running = False  # abort mode: the client's output handler is cancelled
+            if step == "serve-stop-raise":
+                await asyncio.sleep(0.2)
+                atexit.register(time.sleep, 1.0)  # the interpreter's exit outlasts the hook's grace
+                raise RuntimeError("run_server failed")
             await asyncio.Event().wait()  # uvicorn waiting for connections that never close
 
-        asyncio.run(serving())
+        try:
+            asyncio.run(serving())
+        except RuntimeError as e:
+            print(e, flush=True)
+            sys.exit(1)
     elif step.startswith("note:"):
         cause, _, status = step[len("note:"):].partition(":")
         note = {"cause": cause, "rank": 1, "node": 0, "call": "execute_model",

@@ -347,12 +347,16 @@ def every_module() -> list[str]:
     return sorted(path[: -len(".py")] for path in found if path.endswith(".py") and path != "__init__.py")
 
 
-def test_the_package_lists_every_module_it_has():
-    """MODULES, which apply.py checks at start, is the package as it is."""
+def test_the_package_lists_every_file_with_its_size():
+    """FILES, which apply.py checks at start, is the package as it is (after an edit, the
+    message gives the dict to paste into rank_exception_fatal/__init__.py)."""
     import rank_exception_fatal
 
-    assert sorted(rank_exception_fatal.MODULES) == every_module()
-    assert rank_exception_fatal.missing_module() is None
+    package = os.path.dirname(rank_exception_fatal.__file__)
+    files = {f"{m}.py": os.path.getsize(os.path.join(package, f"{m}.py")) for m in every_module()}
+    files["../test_rank_exception_fatal.py"] = os.path.getsize(os.path.join(BUNDLE, "test_rank_exception_fatal.py"))
+    assert rank_exception_fatal.FILES == files, f"FILES = {dict(sorted(files.items()))!r}"
+    assert rank_exception_fatal.damaged_file() is None
 
 
 @pytest.mark.parametrize("module", every_module())
@@ -374,9 +378,31 @@ def test_a_bundle_copied_without_any_module_says_5_in_one_line(module, make_tree
     assert read(target(root)) == release_bytes("0.30.0")
 
 
+@pytest.mark.parametrize("name", ["cli.py", "fileset.py", "check.py", "loop_probe/cases.py",
+                                  "../test_rank_exception_fatal.py"])
+def test_a_file_cut_at_a_line_end_says_5_in_one_line(name, make_tree, tmp_path):
+    """A copy cut short at a line's end still compiles, and could end a run with a wrong
+    answer (cli.py's main cut before its return answered None, read as 0)."""
+    root = make_tree("0.30.0")
+
+    def cut(package):
+        path = package / name
+        lines = path.read_text().splitlines(True)
+        path.write_text("".join(lines[: len(lines) // 2]))
+
+    script = bundle_copy(tmp_path, cut)
+    for args in (["--check", "--json"], ["--check"], []):
+        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
+                              timeout=120)
+        out = done.stdout if "--json" in args else done.stderr
+        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+        assert f"{os.path.normpath(os.path.join('rank_exception_fatal', name))} is cut short or changed" in out, out
+    assert read(target(root)) == release_bytes("0.30.0")
+
+
 @pytest.mark.parametrize("module", ["exit_path", "hooks"])
 def test_a_damaged_module_imported_during_the_run_says_5_in_one_line(module, make_tree, tmp_path):
-    """A module cut short by the copy fails only where a mode imports it: 5, one line."""
+    """A module damaged in place (its size kept) fails only where a mode imports it: 5, one line."""
     root = make_tree("0.30.0")
     # A release the table does not know: the launcher has a line changed, so its diff is placed by its own
     # lines, which imports hooks.
@@ -384,7 +410,11 @@ def test_a_damaged_module_imported_during_the_run_says_5_in_one_line(module, mak
 
     launcher = os.path.join(root, fetch_release.exit_path_files("0.30.0")[0][0])
     write(launcher, read(launcher).replace(b"\n", b"\n\n", 1))
-    script = bundle_copy(tmp_path, lambda package: (package / f"{module}.py").write_text("def cut(\n"))
+    def damage(package):  # a byte changed in place, the size kept: past the start's check, not past the import
+        path = package / f"{module}.py"
+        path.write_text("def cut(\n" + " " * (path.stat().st_size - len("def cut(\n")))
+
+    script = bundle_copy(tmp_path, damage)
     for args in (["--check", "--json"], ["--check"], []):
         done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
                               timeout=120)

@@ -214,9 +214,39 @@ def test_a_stop_after_a_death_ends_with_1_and_its_two_lines_when_it_must_be_ende
 
 @pytest.mark.parametrize("before, status", [((), 0), (("dead", "checked"), 1)])
 def test_a_second_stop_signal_ends_the_process_at_once(before, status, helper_root):
-    status_seen, lines = server(helper_root, "arm", *before, "stop", "stop", "sleep:30")
+    status_seen, lines = server(helper_root, "arm", *before, "stop", "sleep:2.5", "stop", "sleep:30")
     assert status_seen == status, lines
     assert f"a second stop signal: exiting now with status {status}" in lines[-1], lines
+
+
+def test_a_stop_signal_forwarded_at_once_is_the_same_stop(helper_root):
+    """vLLM's process managers pass a group's signal on to their children: the same stop,
+    whose drain must not be cut."""
+    status, lines = server(helper_root, "arm", "stop", "stop", "exit")
+    assert status == 0 and lines[-1] == "returned", lines
+
+
+def test_a_server_run_server_did_not_arm_keeps_the_release_s_stop(helper_root):
+    """An API server process of several (run_server_worker, not run_server): no bound, and
+    a second signal changes nothing, as in the release."""
+    status, lines = server(helper_root, "stop", "sleep:2.5", "stop", "exit")
+    assert status == 0 and lines[-1] == "returned", lines
+
+
+def test_a_run_server_that_fails_during_the_stop_keeps_its_failure(helper_root):
+    """The hook's exit must not land in the interpreter's own exit, where it would turn the
+    failure's status into the stop's 0."""
+    status, lines = server(helper_root, "arm", "serve-stop-raise")
+    assert status == 1, lines
+    assert not [line for line in lines if "exiting now" in line], lines
+
+
+def test_the_verdict_is_decided_once_whoever_asks(helper_root):
+    """A death known from a cause note alone: the first verdict removes the notes, and a
+    second asker (the hook's thread, run_server's end) must get the same answer."""
+    status, lines = server(helper_root, "arm", "note:rank-failed", "stop", "say", "say")
+    assert [line for line in lines if line.startswith("verdict")] == ["verdict True", "verdict True"], lines
+    assert len([line for line in lines if line.startswith("{")]) == 1, "the two records, said once"
 
 
 def test_keep_alive_still_latches_the_death_for_a_later_stop(helper_root):

@@ -81,8 +81,8 @@ def test_pip_uninstall_removes_the_module_apply_created(venv):
     assert done.returncode == 0, done.stderr
     assert f"listed {HELPER} in {record_of(site)}" in done.stdout
     helper = read(os.path.join(site, HELPER))
-    row = f"{HELPER},sha256={base64.urlsafe_b64encode(hashlib.sha256(helper).digest()).rstrip(b'=').decode()},{len(helper)}\n"
-    assert row in read(record_of(site)).decode()
+    row = f"{HELPER},sha256={base64.urlsafe_b64encode(hashlib.sha256(helper).digest()).rstrip(b'=').decode()},{len(helper)}"
+    assert f"\r\n{row}\r\n" in read(record_of(site)).decode(), "a row of its own, with the line ends pip wrote"
     again = run_apply("--root", site)
     assert (again.returncode, again.stdout.count("listed")) == (0, 0), "a second run writes nothing"
     assert run_apply("--root", site, "--check").returncode == 0
@@ -131,3 +131,24 @@ def test_a_left_module_of_other_bytes_is_not_removed(venv):
     done = run_apply("--root", site, "--revert")
     assert done.returncode == 3 and "holds other bytes than apply.py writes" in done.stderr, done
     assert read(other) == b"# another program's\n"
+
+
+def test_a_record_another_program_rewrites_during_the_run_is_kept(venv, monkeypatch, capsys):
+    """pip rewriting RECORD while apply runs: exit 9, RECORD as pip left it, nothing of the fix written."""
+    import apply
+    from rank_exception_fatal import fileset
+
+    _, site = venv
+    decided = fileset.record_change
+
+    def then_pip_writes(*args):
+        change = decided(*args)
+        write(record_of(site), read(record_of(site)) + b"vllm/other.py,,\r\n")
+        return change
+
+    monkeypatch.setattr(fileset, "record_change", then_pip_writes)
+    pip_wrote = read(record_of(site)) + b"vllm/other.py,,\r\n"
+    assert apply.main(["--root", site]) == 9
+    assert "changed while apply.py ran" in capsys.readouterr().err
+    assert read(record_of(site)) == pip_wrote
+    assert not os.path.exists(os.path.join(site, HELPER))
