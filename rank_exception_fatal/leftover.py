@@ -24,7 +24,7 @@ def left_after_uninstall(root: "str | None", revert: bool, not_found: Report) ->
         why = ("apply.py --revert removes it" if ours else
                "it holds other bytes than apply.py writes: remove it by hand if no other program wrote it")
         return not_found.replaced(message=f"{not_found.message}; but {path}, the module apply.py creates, is left"
-                                          f" from a vLLM since removed and keeps {os.path.join(tree, 'vllm')}"
+                                          f" where no vLLM executor is, and keeps {os.path.join(tree, 'vllm')}"
                                           f" importable: {why}")
     from .disk import DirectoryLock, remove_file, remove_files
     from .exit_path import bytecode_of
@@ -37,7 +37,7 @@ def left_after_uninstall(root: "str | None", revert: bool, not_found: Report) ->
                if remove_if_empty(directory)]
     return Report(code=OK, state=NOT_APPLIED_STATE, action=REVERTED, message=(
         f"removed {path}, which apply.py created and `pip uninstall` left"
-        f"{' with ' + ', '.join(removed) if removed else ''}; no vLLM is there now"))
+        f"{', with ' + ', '.join(removed) + ', left empty' if removed else ''}"))
 
 
 def locations(root: "str | None") -> "list[str]":
