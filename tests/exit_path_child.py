@@ -16,7 +16,8 @@ connections: the engine client stops 0.2 s later and its open requests get what 
 gives them; the loop never ends by itself); serve-stop-raise (the same, but the loop
 raises 0.2 s after the engine client stopped, as a run_server that fails, and the
 interpreter's exit then takes a second); say (print what the exit would say: the
-verdict); note:CAUSE[:STATUS]
+verdict); handler-failed (vLLM's output handler logging its end, as it does when the
+engine core ends under it); note:CAUSE[:STATUS]
 (a cause note written by another process, as the engine's side writes it, with this
 process's environment); sleep:SECONDS; fork (a child forked now exits normally, running
 the atexit calls it inherits); exit (run_server's last call). vLLM's logger is set up
@@ -130,6 +131,11 @@ for step in steps:
         hooks.engine_checked(engine)
     elif step == "stop":
         hooks.stop_requested(app)
+    elif step == "handler-failed":  # vLLM's AsyncLLM output handler meeting the engine's end
+        try:
+            raise RuntimeError("EngineCore is gone")
+        except RuntimeError:
+            logging.getLogger("vllm.v1.engine.async_llm").exception("AsyncLLM output_handler failed.")
     elif step == "say":
         print("verdict", hooks._say_why(), flush=True)
     elif step in ("serve-stop", "serve-stop-raise"):

@@ -241,6 +241,17 @@ def test_a_run_server_that_fails_during_the_stop_keeps_its_failure(helper_root):
     assert not [line for line in lines if "exiting now" in line], lines
 
 
+def test_the_output_handler_s_end_in_a_stop_is_not_logged_as_a_failure(helper_root):
+    """When the stop's own shutdown ends the engine core before the client's output handler is
+    cancelled, vLLM logs "AsyncLLM output_handler failed." with a traceback: in a stop of a
+    live engine, said at INFO without it; after a death, kept as vLLM logs it."""
+    status, lines = server(helper_root, "arm", "stop", "handler-failed", "exit")
+    assert status == 0 and "INFO vllm.v1.engine.async_llm: AsyncLLM output_handler ended by the stop (RuntimeError)" in lines
+    assert not [line for line in lines if "ERROR" in line or "Traceback" in line], lines
+    status, lines = server(helper_root, "arm", "dead", "checked", "stop", "handler-failed", "exit")
+    assert status == 1 and "ERROR vllm.v1.engine.async_llm: AsyncLLM output_handler failed." in lines, lines
+
+
 def test_the_verdict_is_decided_once_whoever_asks(helper_root):
     """A death known from a cause note alone: the first verdict removes the notes, and a
     second asker (the hook's thread, run_server's end) must get the same answer."""
