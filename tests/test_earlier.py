@@ -129,10 +129,9 @@ def some_case() -> table.EarlierFix:
 
 def damaged_diff(tmp_path, monkeypatch, row):
     copy = tmp_path / "superseded"
-    copy.mkdir()
-    for name in os.listdir(bundle.EARLIER_DIR):
-        text = Path(bundle.EARLIER_DIR, name).read_text(encoding="utf-8")
-        (copy / name).write_text(text.replace("+", "-", 1) if name == row.diff else text, encoding="utf-8")
+    shutil.copytree(bundle.EARLIER_DIR, copy)  # with its helper/ folder
+    damaged = copy / row.diff
+    damaged.write_text(damaged.read_text(encoding="utf-8").replace("+", "-", 1), encoding="utf-8")
     monkeypatch.setattr(bundle, "EARLIER_DIR", str(copy))
 
 
