@@ -32,6 +32,18 @@ class Release:
 HEX_DIGITS = "0123456789abcdef"
 
 
+def sha256_digests(digests: "Sequence[str]") -> bool:
+    """Whether each is a sha256 as the tables write it: 64 lowercase hex digits. (Over all
+    of them at once: bytes.fromhex is C; str.strip over a table's digits costs the gate
+    tens of microseconds. fromhex skips whitespace, which the length then tells.)"""
+    joined = "".join(digests)
+    try:
+        return (set(map(len, digests)) <= {64} and len(bytes.fromhex(joined)) * 2 == len(joined)
+                and joined == joined.lower())
+    except ValueError:
+        return False
+
+
 def read_releases(table: str, diffs: "Sequence[str] | None" = None, *, sealed: bool = True) -> dict[str, Release]:
     """version -> Release, from the table's text, oldest first. ValueError saying what is
     wrong if the table is not whole or contradicts itself: its first line is the sha256 of
@@ -41,7 +53,9 @@ def read_releases(table: str, diffs: "Sequence[str] | None" = None, *, sealed: b
     sealed=False: for the scripts that edit it, a table whose seal is not written yet.
     One pass: the deploy gate reads the table on every run."""
     rows = checked_rows(table, COLUMNS, sealed=sealed, writer="scripts/make_diff.py --table")
-    releases: dict[str, Release] = {}
+    if release_rows_agree(rows, diffs):  # the gate's case: each check over a whole column at once
+        return {row[0]: Release(*row) for row in rows}
+    releases: dict[str, Release] = {}  # the first row at fault, named
     owner: dict[str, tuple[str, str]] = {}  # sha256 -> (diff, side)
     for row in rows:
         release = Release(*row) if len(row) == len(COLUMNS) else None
@@ -72,6 +86,19 @@ def table_rows(table: str) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def release_rows_agree(rows: list[list[str]], diffs: "Sequence[str] | None") -> bool:
+    """Whether no row has a problem row_problem would name, by column (as exit_rows_well_formed)."""
+    if not rows or {len(row) for row in rows} != {len(COLUMNS)}:
+        return not rows
+    versions, names, sha256s, fixed_sha256s, fault_tolerance, _, sdists = zip(*rows)
+    return (sha256_digests(sha256s + fixed_sha256s) and {*fault_tolerance} <= {"yes", "no"}
+            and {*sdists} <= {"same", "differs", "none"} and len(set(versions)) == len(versions)
+            # a file is one side's (a release's own fixed file included), and one diff's
+            and set(sha256s).isdisjoint(fixed_sha256s) and len(set(zip(sha256s, names))) == len(set(sha256s))
+            and len(set(zip(fixed_sha256s, names))) == len(set(fixed_sha256s))
+            and (diffs is None or set(names) <= set(diffs)))
+
+
 def table_problem(table: str, diffs: "Sequence[str] | None" = None, *, sealed: bool = True) -> "str | None":
     """What is wrong with the release table's text (read_releases says what it checks), if anything."""
     try:
@@ -83,8 +110,7 @@ def table_problem(table: str, diffs: "Sequence[str] | None" = None, *, sealed: b
 
 def row_problem(release: "Release | None", row: list[str], seen: dict[str, Release], owner: dict[str, tuple[str, str]],
                 diffs: "Sequence[str] | None") -> "str | None":
-    if (release is None or len(release.sha256) != 64 or len(release.fixed_sha256) != 64
-            or (release.sha256 + release.fixed_sha256).strip(HEX_DIGITS)  # leaves what is not a hex digit
+    if (release is None or not sha256_digests((release.sha256, release.fixed_sha256))
             or release.fault_tolerance not in ("yes", "no") or release.sdist not in ("same", "differs", "none")):
         return f"has a malformed row: {row[0]!r}"
     if release.version in seen:
@@ -135,8 +161,7 @@ def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequenc
     earlier: dict[str, EarlierFix] = {}
     for row in rows:
         fix = EarlierFix(*row) if len(row) == len(EARLIER_COLUMNS) else None
-        if (fix is None or len(fix.sha256) != 64 or len(fix.fixed_sha256) != 64
-                or (fix.sha256 + fix.fixed_sha256).strip(HEX_DIGITS)):
+        if fix is None or not sha256_digests((fix.sha256, fix.fixed_sha256)):
             raise ValueError(f"has a malformed row: {row[0]!r}")
         if fix.version in releases and releases[fix.version].sha256 != fix.sha256:
             raise ValueError(f"row {fix.diff}: {fix.version}'s file has another sha256 in releases.tsv")
@@ -195,24 +220,35 @@ def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed
     release table before its exit path's row is written has its files placed by the diffs'
     own lines."""
     rows = checked_rows(table, EXIT_PATH_COLUMNS, sealed=sealed, writer="scripts/make_exit_diffs.py")
-    paths: dict[str, ExitPath] = {}
-    for row in rows:
-        # Each field by name, not through role() and place(): the gate reads every row on each run.
-        entry = ExitPath(*row) if len(row) == len(EXIT_PATH_COLUMNS) else None
-        digests = "" if entry is None else (entry.launcher_sha256 + entry.launcher_fixed_sha256 + entry.server_sha256
-                                            + entry.server_fixed_sha256)
-        places = () if entry is None else (entry.launcher_path, entry.server_path)
-        diffs = () if entry is None else (entry.launcher_diff, entry.server_diff)
-        # A path within vllm/, with no . or .. step and no empty one (substring tests: os.path.normpath
-        # on every row would cost the gate a tenth of a millisecond); a diff named within its role's folder.
-        if (entry is None or len(digests) != 4 * 64 or digests.strip(HEX_DIGITS)
-                or not all(place.startswith("vllm/") and place.endswith(".py") and "/." not in place
-                           and "//" not in place for place in places)
-                or not all(diff.endswith(".diff") and "/" not in diff and not diff.startswith(".") for diff in diffs)):
-            raise ValueError(f"has a malformed row: {row[0]!r}")
-        if entry.version in paths:
-            raise ValueError(f"lists {entry.version} twice")
-        paths[entry.version] = entry
+    if exit_rows_well_formed(rows):  # the gate's case: each check over a whole column at once
+        paths = {row[0]: ExitPath(*row) for row in rows}
+    else:  # the first row at fault, named
+        paths = {}
+        for row in rows:
+            if not exit_rows_well_formed([row]):
+                raise ValueError(f"has a malformed row: {row[0]!r}")
+            if row[0] in paths:
+                raise ValueError(f"lists {row[0]} twice")
+            paths[row[0]] = ExitPath(*row)
     if releases is not None and list(paths) != list(releases):
         raise ValueError("must list the releases of releases/releases.tsv, in its order")
     return paths
+
+
+def exit_rows_well_formed(rows: list[list[str]]) -> bool:
+    """Whether every row has the table's fields, each digest 64 hex digits, each path a .py
+    file within vllm/ with no . or .. step and no empty one, each diff named within its
+    role's folder, and no version twice. By column, with C-level set and str operations
+    (the gate reads every row on each run; a loop over the rows in Python costs it a
+    tenth of a millisecond), and each distinct path and diff tested once."""
+    if not rows or {len(row) for row in rows} != {len(EXIT_PATH_COLUMNS)}:
+        return not rows
+    (versions, launcher_paths, launcher_diffs, launcher_sha256s, launcher_fixed_sha256s, server_paths, server_diffs,
+     server_sha256s, server_fixed_sha256s) = zip(*rows)
+    digests = launcher_sha256s + launcher_fixed_sha256s + server_sha256s + server_fixed_sha256s
+    return (sha256_digests(digests)
+            and all(place.startswith("vllm/") and place.endswith(".py") and "/." not in place and "//" not in place
+                    for place in {*launcher_paths, *server_paths})
+            and all(diff.endswith(".diff") and "/" not in diff and not diff.startswith(".")
+                    for diff in {*launcher_diffs, *server_diffs})
+            and len(set(versions)) == len(versions))

@@ -439,6 +439,15 @@ def table_rows_edited(edit):
     return mangle
 
 
+def sha256_as(value):
+    """The 0.30.0 row with its release sha256 made into value(sha256)."""
+    def edit(lines, row):
+        cells = lines[row].split("\t")
+        cells[2] = value(cells[2])
+        return lines[:row] + ["\t".join(cells)] + lines[row + 1:]
+    return edit
+
+
 def fixed_as_released(lines, row):
     cells = lines[row].split("\t")
     cells[3] = cells[2]
@@ -453,6 +462,12 @@ BAD_TABLES = {
     "edited-without-the-seal": (lambda text: text.replace("\nversion\t", "\n# a note\nversion\t"),
                                 "is cut short or damaged (its sha256 differs)"),
     "no-seal": (lambda text: text.partition("\n")[2], "does not start with '# sha256 of the lines below:'"),
+    # Each a malformed row, whatever the other rows' digests make up together.
+    "sha256-short": (table_rows_edited(sha256_as(lambda d: d[1:])), "has a malformed row: '0.30.0'"),
+    "sha256-upper-case": (table_rows_edited(sha256_as(str.upper)), "has a malformed row: '0.30.0'"),
+    "sha256-with-a-space": (table_rows_edited(sha256_as(lambda d: d[:10] + " " + d[11:])),
+                            "has a malformed row: '0.30.0'"),
+    "sha256-not-hex": (table_rows_edited(sha256_as(lambda d: "g" + d[1:])), "has a malformed row: '0.30.0'"),
 }
 
 

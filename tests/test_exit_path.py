@@ -70,8 +70,9 @@ ROW = "0.30.0"
 @pytest.mark.parametrize("field, value", [
     ("launcher_path", "x/launcher.py"), ("launcher_path", "vllm/../launcher.py"), ("server_path", "vllm/./entry.py"),
     ("server_path", "vllm//entry.py"), ("server_path", "vllm/entry.txt"), ("launcher_diff", "../v0.30.0.diff"),
-    ("server_diff", "v0.30.0.patch")])
-def test_a_table_row_with_a_path_or_diff_out_of_its_place_is_malformed(field, value):
+    ("server_diff", "v0.30.0.patch"), ("launcher_sha256", "0" * 63), ("launcher_fixed_sha256", "A" * 64),
+    ("server_sha256", "0" * 31 + " " + "0" * 32), ("server_fixed_sha256", "g" * 64)])
+def test_a_table_row_with_a_field_out_of_its_place_is_malformed(field, value):
     """A sealed row is still checked: the gate looks at the path it gives and reads the diff it names."""
     body = read(fetch_release.EXIT_PATH_TABLE).decode("utf-8").partition("\n")[2]
     lines = body.splitlines(keepends=True)
