@@ -6,7 +6,7 @@ Rank 1 fails in the model's forward, with the executor fixed by `apply.py --exec
 (as bundles before the exit path fixed it): with the release's launcher and server files the
 API server exits 0 and supervisord leaves it down (EXITED); once apply.py has added the exit
 path (the upgrade from such a bundle) it exits 1 as the engine died, its
-last two lines say so (rank 1, execute_model: the executor's cause note), supervisord
+last two records say so (rank 1, execute_model: the executor's cause note), supervisord
 starts it again and the new server answers. Then rank 1's worker is SIGKILLed and the API
 server gets a SIGTERM as soon as the worker monitor's note is there, before it has heard of
 the death: still status 1, the dead worker named, restarted again. Before that, the other
@@ -309,7 +309,7 @@ def test_exit_path_exits_1_and_supervisord_restarts_the_node(supervised):
     print(json.dumps(outcome))
     assert outcome["fired"] and outcome["answer"][0] != 200, outcome
     assert (outcome["exit_status"], outcome["expected"]) == (1, "not expected"), outcome
-    # The server's own last two lines: the reason through vLLM's logger, then the bare event.
+    # The server's own last two records: the reason through vLLM's logger, then the bare event.
     print(json.dumps(assert_the_exit(lines, outcome["exit_status"], "patched",
                                      {"cause": "rank-failed", "rank": 1, "call": "execute_model"})))
     assert outcome["new_pid"] != outcome["first_pid"], outcome
