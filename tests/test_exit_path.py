@@ -86,6 +86,21 @@ def test_a_table_row_with_a_field_out_of_its_place_is_malformed(field, value):
     assert read_exit_paths(body, None, sealed=False), "the table as it is reads"
 
 
+def test_each_digest_of_a_row_is_64_digits_not_only_their_sum():
+    """Two digests of 63 and 65 digits (a digit moved from one to the next) once passed a
+    check of the row's four digests' total length."""
+    body = read(fetch_release.EXIT_PATH_TABLE).decode("utf-8").partition("\n")[2]
+    lines = body.splitlines(keepends=True)
+    header = next(line for line in lines if line.startswith("version\t")).rstrip("\n").split("\t")
+    at = next(k for k, line in enumerate(lines) if line.startswith(ROW + "\t"))
+    row = lines[at].rstrip("\n").split("\t")
+    release, fixed = header.index("launcher_sha256"), header.index("launcher_fixed_sha256")
+    row[release], row[fixed] = row[release][:-1], row[release][-1] + row[fixed]
+    lines[at] = "\t".join(row) + "\n"
+    with pytest.raises(ValueError, match=f"malformed row: '{ROW}'"):
+        read_exit_paths("".join(lines), None, sealed=False)
+
+
 @pytest.mark.parametrize("version, role", CASES, ids=[f"{v}-{r}" for v, r in CASES])
 def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
     diff, release_sha256, fixed_sha256 = exit_paths()[version].role(role)
