@@ -71,6 +71,7 @@ def one_case(case: str, python: str, model: str, work: str, seconds: int) -> dic
     server = StopServer(python, model, tempfile.mkdtemp(dir=work))
     server.start()
     record: dict = {"case": case}
+    ranks: dict[int, int] = {}
     try:
         server.wait_ready()
         took = warm_up(server.port, model, 240)
@@ -96,7 +97,7 @@ def one_case(case: str, python: str, model: str, work: str, seconds: int) -> dic
         record["health"] = server.health()
         clients.stopped.set()
     finally:
-        if case == "stopped" and "ranks" in locals():
+        if case == "stopped" and 1 in ranks:
             os.kill(ranks[1], signal.SIGCONT)
         server.kill_group()
     return record
@@ -105,7 +106,7 @@ def one_case(case: str, python: str, model: str, work: str, seconds: int) -> dic
 def row(record: dict) -> str:
     cells = []
     for rank in (0, 1):
-        seen = [s.get(rank) or s.get(str(rank)) for s in record["samples"]]
+        seen = [sample.get(rank) for sample in record["samples"]]
         states = "".join(sorted({s[0] for s in seen if s}))
         cpu = [s[1] for s in seen if s]
         cells.append(f"{states or '-'}, {min(cpu, default=0)}-{max(cpu, default=0)} %")
