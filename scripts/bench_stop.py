@@ -2,7 +2,8 @@
 
     python3 scripts/bench_stop.py [--count N] [--python PY] [--installs release,patched]
                                   [--variant none|graceful:S|fail-pending|abort-grace:S|shutdown-timeout:S]
-                                  [--to group|server] [--out FILE] [--logs DIR] [--recorded FILE]
+                                  [--to group|server] [--hang RANK] [--out FILE] [--logs DIR]
+                                  [--recorded FILE]
 
 Run it with the test venv's Python (it imports tests/live_server/cpu_install.py, which
 needs pytest): `~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/bench_stop.py`.
@@ -36,6 +37,9 @@ before it is SIGKILLed (the release gives it none);
 shutdown-timeout:S starts the server with vLLM's own `--shutdown-timeout S` (drain). A
 launcher edit is made after set_fix and undone before the next, byte for byte (sha256
 and mtime checked).
+
+--hang RANK makes that rank hang in its next step (the fault plugin's `hang`: it sleeps for good,
+deaf to SIGTERM) 2 s before the stop, so that the stop meets a hung engine (issue 46).
 
 --recorded FILE prints the table from the JSON lines that --out FILE collected.
 One server at a time; about 1-2 minutes a stop on a 2-core machine.
@@ -152,6 +156,13 @@ def one_stop(args, model: str, work: str, install: str, sig: signal.Signals) -> 
         clients = Clients(server.port, model, args.max_tokens, args.client_timeout)
         clients.start()
         time.sleep(took / 2)  # half-way through the first round: every request mid-generation
+        if args.hang is not None:  # the stop meets a rank hung in its step, deaf to SIGTERM
+            server.inject(args.hang, "hang")
+            deadline = time.time() + 10
+            while server.fault_time() is None and time.time() < deadline:
+                time.sleep(0.05)
+            record["hung_for"] = None if server.fault_time() is None else round(time.time() - server.fault_time(), 2)
+            time.sleep(2)  # the other ranks now wait for it
         clients.stopped.set()
         t0 = time.time()
         if args.to == "group":
@@ -259,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-wait", type=float, default=30.0, help="seconds the first signal is given")
     parser.add_argument("--second-wait", type=float, default=5.0,
                         help="seconds the second SIGTERM is given (ends before the clients' timeout)")
+    parser.add_argument("--hang", type=int, metavar="RANK",
+                        help="before the stop, make RANK hang in its next step (the fault plugin's hang), 2 s before")
     parser.add_argument("--out", help="append each stop's JSON line to this file too")
     parser.add_argument("--recorded", help="print the table from the JSON lines of this file, start nothing")
     parser.add_argument("--logs", help="keep each server's log in this directory (stop-ROUND-INSTALL.log)")
