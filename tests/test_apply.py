@@ -340,6 +340,19 @@ def bundle_copy(tmp_path, edit) -> str:
     return str(copy / "apply.py")
 
 
+def bundle_fault_outputs(script: str, root: str, modes) -> list[tuple[list[str], str]]:
+    """Each mode's output (its one JSON object with --json, else its stderr line), once the
+    bundle's apply.py ran it and exited 5 in one line, as a bundle fault must."""
+    outputs = []
+    for args in modes:
+        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
+                              timeout=120)
+        out = done.stdout if "--json" in args else done.stderr
+        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+        outputs.append((args, out))
+    return outputs
+
+
 def every_module() -> list[str]:
     """The package's modules as they are on disk (but __init__), as paths without .py."""
     package = os.path.join(BUNDLE, "rank_exception_fatal")
@@ -367,11 +380,7 @@ def test_a_bundle_copied_without_any_module_says_5_in_one_line(module, make_tree
     script = bundle_copy(tmp_path, lambda package: os.unlink(package / f"{module}.py"))
     modes = [["--check", "--json"], ["--check"]] + ([[], ["--revert"], ["--diff"], ["--verify"]]
                                                     if module in ("exit_path", "hooks", "loop_probe/child") else [])
-    for args in modes:
-        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
-                              timeout=120)
-        out = done.stdout if "--json" in args else done.stderr
-        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+    for args, out in bundle_fault_outputs(script, root, modes):
         assert f"rank_exception_fatal/{module}.py is missing" in out, out
         if "--json" in args:
             assert json.loads(out)["exit_code"] == 5
@@ -391,11 +400,7 @@ def test_a_file_cut_at_a_line_end_says_5_in_one_line(name, make_tree, tmp_path):
         path.write_text("".join(lines[: len(lines) // 2]))
 
     script = bundle_copy(tmp_path, cut)
-    for args in (["--check", "--json"], ["--check"], []):
-        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
-                              timeout=120)
-        out = done.stdout if "--json" in args else done.stderr
-        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+    for args, out in bundle_fault_outputs(script, root, (["--check", "--json"], ["--check"], [])):
         assert f"{os.path.normpath(os.path.join('rank_exception_fatal', name))} is cut short or changed" in out, out
     assert read(target(root)) == release_bytes("0.30.0")
 
@@ -415,11 +420,7 @@ def test_a_damaged_module_imported_during_the_run_says_5_in_one_line(module, mak
         path.write_text("def cut(\n" + " " * (path.stat().st_size - len("def cut(\n")))
 
     script = bundle_copy(tmp_path, damage)
-    for args in (["--check", "--json"], ["--check"], []):
-        done = subprocess.run([sys.executable, script, "--root", root, *args], capture_output=True, text=True,
-                              timeout=120)
-        out = done.stdout if "--json" in args else done.stderr
-        assert done.returncode == 5 and len(out.splitlines()) == 1, (args, done)
+    for args, out in bundle_fault_outputs(script, root, (["--check", "--json"], ["--check"], [])):
         assert "cannot be loaded (SyntaxError" in out, out
         if "--json" in args:
             assert json.loads(out)["exit_code"] == 5

@@ -7,6 +7,7 @@ Standard library only (and pytest).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -144,6 +145,22 @@ def set_exit_path(state: str) -> None:
     assert applied.returncode == 0, applied.stderr
     for role, (_, path, _) in files.items():
         assert sha256(os.path.join(root, path)) == exit_paths()[VERSION].role(role)[2]
+
+
+@contextlib.contextmanager
+def measuring(python: str, name: str):
+    """For a script that measures servers on the install of python (scripts/bench_stop.py,
+    measure_stall.py, measure_shapes.py): (a scratch directory, the tiny model made in it);
+    the install's files put back as the release ships them afterwards, however it ends."""
+    global PYTHON
+    PYTHON = python  # apply.py and site_packages() on this install
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"rank-exception-fatal-{name}-") as work:
+            model = os.path.join(work, "model")
+            make_model(python, model)
+            yield work, model
+    finally:
+        set_fix("release")
 
 
 def set_fix(state: str) -> None:
