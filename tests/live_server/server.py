@@ -227,7 +227,10 @@ def server_env(workdir: str, trigger: str) -> dict[str, str]:
 
 
 class Server:
-    """One `vllm serve` on two ranks with the mp executor."""
+    """One `vllm serve` on two ranks with the mp executor (entry "module": `python -m
+    vllm.entrypoints.openai.api_server`)."""
+
+    entry = "cli"
 
     def __init__(self, python: str, model: str, workdir: str, layout: str = "tp") -> None:
         self.python, self.model, self.workdir = python, model, workdir
@@ -258,7 +261,7 @@ class Server:
         threading.Thread(target=self._read_output, daemon=True).start()
 
     def command(self) -> list[str]:
-        return server_command(self.python, self.model, self.workdir, self.layout, self.port)
+        return server_command(self.python, self.model, self.workdir, self.layout, self.port, entry=self.entry)
 
     def environment(self) -> dict[str, str]:
         return server_env(self.workdir, self.trigger)
