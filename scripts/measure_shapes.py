@@ -102,6 +102,20 @@ class DataParallelNode(StopServer):
         return {**super().environment(), "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+def health_polled(server: StopServer) -> "tuple[list[tuple[float, int | None]], threading.Event]":
+    """(time, /health status) every 0.2 s from now, until the event is set."""
+    health: list[tuple[float, int | None]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            health.append((time.time(), server.health()))
+            done.wait(0.2)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return health, done
+
+
 def one_run(shape: str, install: str, fault: str, python: str, model: str, work: str, watch: float) -> dict:
     server = ShapeServer(python, model, tempfile.mkdtemp(dir=work))
     server.shape, server.extra_args = shape, SHAPES[shape]
@@ -114,15 +128,7 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
         clients.start()
         time.sleep(took / 2)
         rank, point = fault.split(":")
-        health: list[tuple[float, int | None]] = []
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.is_set():
-                health.append((time.time(), server.health()))
-                done.wait(0.2)
-
-        threading.Thread(target=poll, daemon=True).start()
+        health, done = health_polled(server)
         if rank == "group":  # a clean stop: the signal to the whole group, as systemd and Kubernetes send it
             signalled = time.time()
             os.killpg(server.proc.pid, getattr(signal, point))
@@ -186,15 +192,7 @@ def one_run_across_nodes(install: str, fault: str, python: str, model: str, work
         clients = Clients(leader.port, model, 240, watch)
         clients.start()
         time.sleep(took / 2)
-        health: list[tuple[float, int | None]] = []
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.is_set():
-                health.append((time.time(), leader.health()))
-                done.wait(0.2)
-
-        threading.Thread(target=poll, daemon=True).start()
+        health, done = health_polled(leader)
         rank, point = fault.split(":")
         headless.inject(int(rank), point)
         # vLLM's DP load balancing may give the headless node's engine no request for a
