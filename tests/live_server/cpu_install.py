@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -161,6 +162,45 @@ def measuring(python: str, name: str):
             yield work, model
     finally:
         set_fix("release")
+
+
+class PrototypeError(RuntimeError):
+    """A design's prototype diff that does not go on, or come off, the install cleanly."""
+
+
+def patched(diff: str, *flags: str) -> bool:
+    """Whether `patch -p1 -F0` of diff in the install's site-packages succeeds; never asks
+    (--forward), never leaves a .orig or .rej file."""
+    with open(diff, "rb") as f:
+        return subprocess.run(["patch", "-p1", "-F0", "--forward", "--no-backup-if-mismatch", "-r", "-", "-s", *flags],
+                              cwd=site_packages(), stdin=f, capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def prototypes_on(diffs: list[str]):
+    """Each diff put on the install in turn (a dry run first, so a diff that does not apply
+    changes nothing), taken off in reverse order however the block ends; one still on from
+    a run that was killed is taken off first. Stop signals are ignored while they come off."""
+    for diff in reversed(diffs):
+        if patched(diff, "-R", "--dry-run") and not patched(diff, "-R"):
+            raise PrototypeError(f"{diff} is on the install from an earlier run and does not come off")
+    on: list[str] = []
+    try:
+        for diff in diffs:
+            if not (patched(diff, "--dry-run") and patched(diff)):
+                raise PrototypeError(f"{diff} does not apply to the install in {site_packages()}")
+            on.append(diff)
+        yield
+    finally:
+        held = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            failed = [diff for diff in reversed(on) if not patched(diff, "-R")]
+        finally:
+            for number, handler in held.items():
+                signal.signal(number, handler)
+        if failed:
+            raise PrototypeError(f"{', '.join(failed)} did not come off the install in {site_packages()}: "
+                                 "patch -p1 -R it there by hand")
 
 
 def set_fix(state: str) -> None:
