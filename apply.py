@@ -41,7 +41,7 @@ try:
 
     damaged = damaged_file()  # any module a mode imports later: refused now, not halfway with a wrong answer
     if damaged is None:
-        from rank_exception_fatal.cli import main
+        from rank_exception_fatal.cli import leave, main
 except Exception as e:  # a damaged copy, or a Python the package cannot run on: one line, never a traceback
     raise SystemExit(missing_package(f"cannot be loaded ({type(e).__name__}: {e})")) from None
 if damaged:
@@ -56,4 +56,5 @@ if __name__ == "__main__":
         code = missing_package(f"cannot be loaded ({type(e).__name__}: {e})")
     if not isinstance(code, int):  # never a status the bundle did not decide (a None would read as 0)
         code = missing_package(f"cannot be run (it answered {code!r}, not an exit code)")
+    leave(sys.argv[1:], code)  # the gate ends here, without the interpreter's teardown
     raise SystemExit(code)

@@ -285,6 +285,20 @@ def test_script_run_through_a_symlink_finds_its_bundle(make_tree, tmp_path):
     assert done.stdout.startswith("applied patches/v0.30.0.diff")
 
 
+def test_the_gate_s_report_is_whole_when_it_ends_at_once(make_tree, tmp_path):
+    """--check ends without the interpreter's teardown (cli.leave): every byte it printed
+    reaches a file or a pipe, and its status is the report's."""
+    release, fixed = make_tree("0.30.0"), make_tree("0.30.0")
+    assert subprocess.run([sys.executable, APPLY, "--root", fixed], capture_output=True).returncode == 0
+    for root, expected in ((release, 1), (fixed, 0)):
+        with open(tmp_path / "report.json", "w") as out:
+            to_file = subprocess.run([sys.executable, APPLY, "--root", root, "--check", "--json"], stdout=out)
+        to_pipe = subprocess.run([sys.executable, APPLY, "--root", root, "--check", "--json"], capture_output=True,
+                                 text=True)
+        for code, text in ((to_file.returncode, (tmp_path / "report.json").read_text()), (to_pipe.returncode, to_pipe.stdout)):
+            assert code == expected and json.loads(text)["exit_code"] == expected and text.endswith("}\n"), text
+
+
 def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):
     root = make_tree("0.30.0")
     with open("/dev/full", "w") as full:
