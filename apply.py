@@ -56,5 +56,6 @@ if __name__ == "__main__":
         code = missing_package(f"cannot be loaded ({type(e).__name__}: {e})")
     if not isinstance(code, int):  # never a status the bundle did not decide (a None would read as 0)
         code = missing_package(f"cannot be run (it answered {code!r}, not an exit code)")
-    leave(sys.argv[1:], code)  # the gate ends here, without the interpreter's teardown
+    if globals() is vars(sys.modules["__main__"]):  # run by Python itself, not by a profiler or a harness
+        leave(sys.argv[1:], code)  # the gate ends here, without the interpreter's teardown
     raise SystemExit(code)

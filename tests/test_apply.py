@@ -285,18 +285,33 @@ def test_script_run_through_a_symlink_finds_its_bundle(make_tree, tmp_path):
     assert done.stdout.startswith("applied patches/v0.30.0.diff")
 
 
-def test_the_gate_s_report_is_whole_when_it_ends_at_once(make_tree, tmp_path):
-    """--check ends without the interpreter's teardown (cli.leave): every byte it printed
-    reaches a file or a pipe, and its status is the report's."""
+def test_the_gate_ends_at_once_with_its_whole_report(make_tree, tmp_path):
+    """--check ends without the interpreter's teardown (cli.leave): an atexit callback of the
+    operator's Python does not run, yet every byte the gate printed reaches a file or a pipe
+    and its status is the report's. Another mode, and the gate run by a profiler (which
+    writes its data once the script returns), exit as Python does."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os\natexit.register(lambda: open(os.environ['EXIT_MARK'], 'a').write('exit\\n'))\n")
+    mark = tmp_path / "mark"
+    env = {**os.environ, "EXIT_MARK": str(mark),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     release, fixed = make_tree("0.30.0"), make_tree("0.30.0")
-    assert subprocess.run([sys.executable, APPLY, "--root", fixed], capture_output=True).returncode == 0
+    assert subprocess.run([sys.executable, APPLY, "--root", fixed], capture_output=True, env=env).returncode == 0
+    assert mark.read_text() == "exit\n", "an apply exits as Python does"
+    mark.unlink()
     for root, expected in ((release, 1), (fixed, 0)):
         with open(tmp_path / "report.json", "w") as out:
-            to_file = subprocess.run([sys.executable, APPLY, "--root", root, "--check", "--json"], stdout=out)
+            to_file = subprocess.run([sys.executable, APPLY, "--root", root, "--check", "--json"], stdout=out, env=env)
         to_pipe = subprocess.run([sys.executable, APPLY, "--root", root, "--check", "--json"], capture_output=True,
-                                 text=True)
+                                 text=True, env=env)
         for code, text in ((to_file.returncode, (tmp_path / "report.json").read_text()), (to_pipe.returncode, to_pipe.stdout)):
             assert code == expected and json.loads(text)["exit_code"] == expected and text.endswith("}\n"), text
+        assert not mark.exists(), "the gate ended at once"
+    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "gate.prof"), APPLY, "--root",
+                               fixed, "--check"], capture_output=True, env=env)
+    assert profiled.returncode == 0 and (tmp_path / "gate.prof").stat().st_size > 0 and mark.read_text() == "exit\n"
 
 
 def test_stdout_that_cannot_take_the_report(make_tree, tmp_path):

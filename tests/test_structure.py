@@ -19,13 +19,7 @@ from rank_exception_fatal.outcome import APPLIED_STATE, DRIFTED_STATE, NOT_APPLI
 
 # Run apply.py as an operator does, then list what it imported.
 IMPORTED = """\
-import os
 import sys
-
-def intercepted(code):  # the gate ends with os._exit: taken as SystemExit, to list what it imported
-    raise SystemExit(code)
-
-os._exit = intercepted
 before = set(sys.modules)
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 try:
