@@ -174,10 +174,11 @@ def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequenc
 
 
 # The API server's exit path (issue 35, docs/supervisor.md): releases/exit_path.tsv, one
-# row a release, made by scripts/make_exit_diffs.py; read by exit_path.
-EXIT_PATH_COLUMNS = ("version", "launcher_path", "launcher_diff", "launcher_sha256", "launcher_fixed_sha256",
-                     "server_path", "server_diff", "server_sha256", "server_fixed_sha256")
+# row a release, made by scripts/make_exit_diffs.py; read by exit_path. Its columns: the
+# version, then each role's four, in ROLES' order (a file the set gains is a role more).
 ROLES = ("launcher", "server")
+ROLE_FIELDS = ("path", "diff", "sha256", "fixed_sha256")
+EXIT_PATH_COLUMNS = ("version", *(f"{role}_{field}" for role in ROLES for field in ROLE_FIELDS))
 
 
 class ExitPath:
@@ -188,28 +189,24 @@ class ExitPath:
     the release's file and of the file the diff makes of it. (A plain class: see
     outcome.Report.)"""
 
-    __slots__ = EXIT_PATH_COLUMNS
+    __slots__ = ("version", "files")
 
-    def __init__(self, version: str, launcher_path: str, launcher_diff: str, launcher_sha256: str,
-                 launcher_fixed_sha256: str, server_path: str, server_diff: str, server_sha256: str,
-                 server_fixed_sha256: str) -> None:
+    def __init__(self, version: str, *cells: str) -> None:
         self.version = version
-        self.launcher_path, self.launcher_diff, self.launcher_sha256, self.launcher_fixed_sha256 = (
-            launcher_path, launcher_diff, launcher_sha256, launcher_fixed_sha256)
-        self.server_path, self.server_diff, self.server_sha256, self.server_fixed_sha256 = (
-            server_path, server_diff, server_sha256, server_fixed_sha256)
+        width = len(ROLE_FIELDS)
+        self.files = {role: cells[index * width:(index + 1) * width] for index, role in enumerate(ROLES)}
 
     def __repr__(self) -> str:
-        return f"ExitPath({self.version!r}, {self.launcher_diff!r}, {self.server_diff!r})"
+        return f"ExitPath({self.version!r}, {', '.join(repr(cells[1]) for cells in self.files.values())})"
 
     def role(self, role: str) -> "tuple[str, str, str]":
         """(the diff under patches/, the release's sha256, the fixed sha256) for a role."""
-        return (f"{role}/{getattr(self, role + '_diff')}", getattr(self, role + "_sha256"),
-                getattr(self, role + "_fixed_sha256"))
+        _, diff, sha256, fixed_sha256 = self.files[role]
+        return f"{role}/{diff}", sha256, fixed_sha256
 
     def place(self, role: str) -> str:
         """The role's file's path in the tree (vllm/...), which its diff writes."""
-        return getattr(self, role + "_path")
+        return self.files[role][0]
 
 
 def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed: bool = True) -> dict[str, ExitPath]:
@@ -243,12 +240,13 @@ def exit_rows_well_formed(rows: list[list[str]]) -> bool:
     tenth of a millisecond), and each distinct path and diff tested once."""
     if not rows or {len(row) for row in rows} != {len(EXIT_PATH_COLUMNS)}:
         return not rows
-    (versions, launcher_paths, launcher_diffs, launcher_sha256s, launcher_fixed_sha256s, server_paths, server_diffs,
-     server_sha256s, server_fixed_sha256s) = zip(*rows)
-    digests = launcher_sha256s + launcher_fixed_sha256s + server_sha256s + server_fixed_sha256s
+    versions, *cells = zip(*rows)
+    width = len(ROLE_FIELDS)  # each role's columns: path, diff, sha256, fixed_sha256
+    places = {place for column in cells[0::width] for place in column}
+    diffs = {diff for column in cells[1::width] for diff in column}
+    digests = [digest for start in (2, 3) for column in cells[start::width] for digest in column]
     return (sha256_digests(digests)
             and all(place.startswith("vllm/") and place.endswith(".py") and "/." not in place and "//" not in place
-                    for place in {*launcher_paths, *server_paths})
-            and all(diff.endswith(".diff") and "/" not in diff and not diff.startswith(".")
-                    for diff in {*launcher_diffs, *server_diffs})
+                    for place in places)
+            and all(diff.endswith(".diff") and "/" not in diff and not diff.startswith(".") for diff in diffs)
             and len(set(versions)) == len(versions))
