@@ -101,6 +101,59 @@ def test_each_digest_of_a_row_is_64_digits_not_only_their_sum():
         read_exit_paths("".join(lines), None, sealed=False)
 
 
+def contradicting(edit):
+    """The exit table with the 0.30.0 row's launcher cells edited by edit(cells, rows), sealed again (as an editor would)."""
+    def mangle(body: str) -> str:
+        lines = body.splitlines(keepends=True)
+        header = next(line for line in lines if line.startswith("version\t")).rstrip("\n").split("\t")
+        rows = {line.split("\t", 1)[0]: line.rstrip("\n").split("\t") for line in lines[lines.index("\t".join(header) + "\n") + 1:]}
+        columns = [header.index(f"launcher_{field}") for field in ("path", "diff", "sha256", "fixed_sha256")]
+        cells = dict(zip(("path", "diff", "sha256", "fixed_sha256"), (rows[ROW][k] for k in columns)))
+        edit(cells, {v: dict(zip(("path", "diff", "sha256", "fixed_sha256"), (r[k] for k in columns))) for v, r in rows.items()})
+        for k, field in zip(columns, ("path", "diff", "sha256", "fixed_sha256")):
+            rows[ROW][k] = cells[field]
+        return "".join(lines[: lines.index("\t".join(header) + "\n") + 1]) + "".join("\t".join(r) + "\n" for r in rows.values())
+    return mangle
+
+
+def another_diff_s_file(cells, rows):
+    other = next(r for r in rows.values() if r["diff"] != cells["diff"])
+    cells["sha256"] = other["sha256"]
+
+
+def its_diff_elsewhere(cells, rows):
+    assert sum(r["diff"] == cells["diff"] for r in rows.values()) > 1, "the diff is another release's too"
+    cells["path"] = "vllm/entrypoints/elsewhere.py"
+
+
+CONTRADICTIONS = {
+    "a-diff-with-two-paths": (its_diff_elsewhere, "gives patches/launcher/{diff} two paths"),
+    "a-file-of-two-diffs": (another_diff_s_file, "gives a launcher file of"),
+    "a-file-on-both-sides": (lambda cells, rows: cells.update(fixed_sha256=cells["sha256"]), "gives a launcher file of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTRADICTIONS))
+def test_a_table_whose_rows_contradict_each_other_is_a_malformed_bundle(case, make_tree, tmp_path, monkeypatch, capsys):
+    """A table sealed after an edit that gives a diff two paths, or a file to two diffs or to
+    both sides: the gate would decide a file by a row another row contradicts. 5 in every mode."""
+    import apply
+    from rank_exception_fatal import exit_path
+    from rank_exception_fatal.seal import seal
+
+    edit, complaint = CONTRADICTIONS[case]
+    body = read(fetch_release.EXIT_PATH_TABLE).decode("utf-8").partition("\n")[2]
+    table = tmp_path / "exit_path.tsv"
+    table.write_text(seal(contradicting(edit)(body)))
+    monkeypatch.setattr(exit_path, "EXIT_PATH_TABLE", str(table))
+    root = make_tree(ROW)
+    diff = exit_paths()[ROW].role("launcher")[0].partition("/")[2]
+    for mode in (["--check"], [], ["--revert"], ["--diff"]):
+        assert apply.main(["--root", root, *mode]) == 5, mode
+        err = capsys.readouterr().err
+        assert complaint.format(diff=diff) in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("version, role", CASES, ids=[f"{v}-{r}" for v, r in CASES])
 def test_diff_fixes_the_release_file_and_reverts(version, role, tmp_path):
     diff, release_sha256, fixed_sha256 = exit_paths()[version].role(role)
