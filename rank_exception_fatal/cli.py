@@ -17,12 +17,14 @@ USAGE_TEXT = """Apply, check or revert the rank-exception-fatal fix in vLLM's mu
 usage: apply.py [--root DIR | --pid PID] [--check | --revert | --diff | --verify] [--exact]
                 [--executor-only] [--json]
 
-Without a mode, applies the fix if it is not applied yet. The fix is four files of the
-vllm package: vllm/v1/executor/multiproc_executor.py (a failing rank ends the engine),
-and the API server's exit path, so that vllm serve then exits 1 and says why: its
-launcher and server file, and the module vllm/entrypoints/_rank_exception_fatal.py they
-import. Found under --root (default: $GAUDI_FIXES_ROOT), or else in the vllm package
-this Python would import, found without importing it.
+Without a mode, applies the fix if it is not applied yet. The fix is five files of the
+vllm package: vllm/v1/executor/multiproc_executor.py (a failing rank ends the engine);
+the API server's exit path, so that vllm serve then exits 1 and says why: its launcher
+and server file, and the module vllm/entrypoints/_rank_exception_fatal.py they import;
+and the message queue, vllm/distributed/device_communicators/shm_broadcast.py, whose
+sockets between nodes get a heartbeat, so that a node gone silent ends the engine too.
+Found under --root (default: $GAUDI_FIXES_ROOT), or else in the vllm package this
+Python would import, found without importing it.
 
 options:
   --root DIR         the directory holding vllm/

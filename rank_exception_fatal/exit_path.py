@@ -1,8 +1,9 @@
-"""The API server's exit path (docs/supervisor.md §3): the helper module, the launcher and
-the server file of a tree, each decided by its sha256 against releases/exit_path.tsv, and
-written in dependency order: fixed, or given back their release's bytes.
+"""The set's files beside the executor: the API server's exit path (docs/supervisor.md §3:
+the helper module, the launcher and the server file) and the message queue (its heartbeat
+between nodes, docs/silent.md), each decided by its sha256 against releases/exit_path.tsv,
+and written in dependency order: fixed, or given back their release's bytes.
 
-A launcher or server file the table does not know (a build between releases) is fixed if
+A launcher, server or queue file the table does not know (a build between releases) is fixed if
 a diff of its role fits it by its own lines, and the hooks then stand in the functions their
 role names (hooks: a static proof; not with --exact); else it is drift. apply.py takes them
 with the executor (fileset)."""
@@ -25,7 +26,7 @@ EXIT_PATH_TABLE = os.path.join(bundle.HERE, "releases", "exit_path.tsv")
 # re-export shim (0.29.0+ keep openai/api_server.py as one) or a file of another layout
 # left by an earlier install (hooks.HOOKS hooks it first; tests/test_exit_path_files.py
 # checks that the two agree).
-DEFINES = {"launcher": b"def terminate_if_errored(", "server": b"def run_server("}
+DEFINES = {"launcher": b"def terminate_if_errored(", "server": b"def run_server(", "queue": b"class MessageQueue"}
 # Apply writes in this order, and the executor after them; revert in the reverse order,
 # the helper removed last: a fixed file's import is in place whenever the file is.
 WRITE_ORDER = ("helper", *ROLES)

@@ -1,6 +1,6 @@
-"""The fix as the set of its four files (docs/supervisor.md §3): the executor, decided as the
-gate and apply decide it alone, and the exit path's helper, launcher and server file
-(exit_path). Checked, applied, reverted and diffed together: 0 only when every file is
+"""The fix as the set of its files (docs/supervisor.md §3): the executor, decided as the
+gate and apply decide it alone, and the rest (exit_path): the helper, the API server's
+launcher and server file, and the message queue. Checked, applied, reverted and diffed together: 0 only when every file is
 applied; apply writes the helper, launcher and server file first and the executor last,
 revert the reverse; a drift in any file writes nothing."""
 import os
@@ -237,7 +237,7 @@ def writable_or_refused(tree: str, parts: list[Part], revert: bool, first: "list
 
 
 def diff_set(path: str, fixes, *, exact: bool) -> Report:
-    """--diff: what apply would write to the four files, in its order, as one patch."""
+    """--diff: what apply would write to the set's files, in its order, as one patch."""
     import difflib
 
     from .change import run_diff

@@ -76,7 +76,7 @@ class Report:
 
 
 class FileReport:
-    """One file of the set in a Report: its role (executor, helper, launcher, server), its
+    """One file of the set in a Report: its role (executor, helper, launcher, server, queue), its
     absolute path, state, diff, whether the diff was adapted, and its bytes before and after
     the run (None: absent). --json prints each with the sha256s of those bytes, hashed
     only then: the gate prints none."""

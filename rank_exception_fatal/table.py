@@ -176,15 +176,16 @@ def read_earlier_fixes(table: str, releases: dict[str, Release], diffs: "Sequenc
 # The API server's exit path (issue 35, docs/supervisor.md): releases/exit_path.tsv, one
 # row a release, made by scripts/make_exit_diffs.py; read by exit_path. Its columns: the
 # version, then each role's four, in ROLES' order (a file the set gains is a role more).
-ROLES = ("launcher", "server")
+ROLES = ("launcher", "server", "queue")
 ROLE_FIELDS = ("path", "diff", "sha256", "fixed_sha256")
 EXIT_PATH_COLUMNS = ("version", *(f"{role}_{field}" for role in ROLES for field in ROLE_FIELDS))
 
 
 class ExitPath:
     """A row of releases/exit_path.tsv: the release's version; for each role (the launcher,
-    whose terminate_if_errored and stop signal handler the diff hooks, and the server
-    file, whose run_server it hooks) the file's path in the tree (the diff's target: the
+    whose terminate_if_errored and stop signal handler the diff hooks, the server file,
+    whose run_server it hooks, and the queue, shm_broadcast.py, whose sockets between
+    nodes it gives a heartbeat) the file's path in the tree (the diff's target: the
     gate looks there without reading the diffs), the diff in patches/ROLE/, the sha256 of
     the release's file and of the file the diff makes of it. (A plain class: see
     outcome.Report.)"""

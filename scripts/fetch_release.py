@@ -282,6 +282,7 @@ EXIT_PATH_TABLE = os.path.join(HERE, "releases", "exit_path.tsv")
 EXIT_PATH_PLACES = {
     "launcher": ("vllm/entrypoints/launchers/launcher.py", "vllm/entrypoints/launcher.py"),
     "server": ("vllm/entrypoints/launchers/api_server/entry.py", "vllm/entrypoints/openai/api_server.py"),
+    "queue": ("vllm/distributed/device_communicators/shm_broadcast.py",),
 }
 
 

@@ -1,13 +1,14 @@
-"""Write the API server's exit-path diffs (issue 35) for every release in releases/releases.tsv.
+"""Write the diffs of the set's other files (the API server's exit path, issue 35; the message
+queue's heartbeat, issue 46) for every release in releases/releases.tsv.
 
     python3 scripts/make_exit_diffs.py [--helper FILE]
 
-For each release it reads the launcher and the server file out of the wheel (cached
+For each release it reads the launcher, the server file and the queue out of the wheel (cached
 beside the executor, in fetch_release.py's cache), places the hooks with ast and makes
 the diff as scripts/make_diff.py makes the executor's, sealed, with three lines of context
 (the exit path's files are known by sha256, so a wider fingerprint buys nothing).
 A diff serves every release whose hunks are the same text (line numbers aside), and is
-named by the oldest: patches/launcher/vX.diff, patches/server/vX.diff. Then it writes
+named by the oldest: patches/launcher/vX.diff, patches/server/vX.diff, patches/queue/vX.diff. Then it writes
 releases/exit_path.tsv (sealed), one row a release: for each role the file's path (the
 diff's target, so that the gate need not read the diffs), the diff, and the sha256 of the
 release's file and of the fixed one. --helper FILE first writes
@@ -16,10 +17,13 @@ from FILE: that diff is the module's only copy in the bundle (edit a copy of it,
 run this).
 
 The hooks, each the import of that module and one call, first in its function (after a
-docstring), except run_server's last call:
-    launcher  terminate_if_errored          engine_checked(engine)
-    launcher  serve_http > signal_handler   stop_requested(app)
-    server    run_server                    arm() first, exit_if_engine_died() last
+docstring), except run_server's last call and the queue's, after the statement that makes
+the socket between nodes what it is (rank_exception_fatal/hooks.py):
+    launcher  terminate_if_errored              engine_checked(engine)
+    launcher  serve_http > signal_handler       stop_requested(app)
+    server    run_server                        arm() first, exit_if_engine_died() last
+    queue     MessageQueue > __init__           heartbeat(self.remote_socket), the remote XPUB's
+    queue     MessageQueue > create_from_handle heartbeat(self.remote_socket), the remote SUB's
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 import fetch_release  # noqa: E402
 from make_diff import creation_diff, make_diff  # noqa: E402
 
-from rank_exception_fatal.hooks import HOOKS, IMPORT, function, own_returns  # noqa: E402
+from rank_exception_fatal.hooks import AFTER, HOOKS, function, import_line, own_returns, statement_after  # noqa: E402
 from rank_exception_fatal.seal import seal  # noqa: E402
 from rank_exception_fatal.table import EXIT_PATH_COLUMNS, ROLES  # noqa: E402
 
@@ -50,13 +54,18 @@ def hooked(source: str, role: str) -> str:
     inserts = []  # (0-based line index to insert before, lines)
     for names, where, call in HOOKS[role]:
         fn = function(tree, names)
+        if where.startswith(AFTER):
+            block, index = statement_after(fn, where)
+            indent = " " * block[index].col_offset
+            inserts.append((block[index].end_lineno, [f"{indent}{import_line(role)}\n", f"{indent}{call}\n"]))
+            continue
         body = fn.body
         has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
             and isinstance(body[0].value.value, str)
         first = body[1] if has_docstring else body[0]
         indent = " " * first.col_offset
         if where == "first":
-            inserts.append((first.lineno - 1, [f"{indent}{IMPORT}\n", f"{indent}{call}\n"]))
+            inserts.append((first.lineno - 1, [f"{indent}{import_line(role)}\n", f"{indent}{call}\n"]))
         else:
             if own_returns(fn):
                 raise LookupError(f"{' > '.join(names)} returns early: a last call would not always run")
@@ -129,8 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, diff in diffs[role].values():
             with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
                 f.write(diff)
-    body = ("# The API server's exit path (issue 35): for each release, the diff of its launcher and of its\n"
-            "# server file (patches/launcher/, patches/server/), the file's path, and its sha256 before and after.\n"
+    body = ("# The set's other files: for each release, the diff of the API server's launcher and server file\n"
+            "# (its exit path, issue 35) and of the message queue (its heartbeat, issue 46), in patches/ROLE/;\n"
+            "# each file's path, and its sha256 before and after.\n"
             "# Written by scripts/make_exit_diffs.py; apply.py applies them with the executor's diff.\n"
             + "\t".join(EXIT_PATH_COLUMNS) + "\n" + "".join("\t".join(row) + "\n" for row in rows))
     with open(fetch_release.EXIT_PATH_TABLE, "w", encoding="utf-8") as f:

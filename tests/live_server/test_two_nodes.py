@@ -11,6 +11,8 @@ patched (run with the server's Python, as an operator does), one server a case:
   kill:follower-worker+0:hang  the follower's worker is SIGKILLed (a death that never
                             reaches Python) and the leader's rank 0 hangs in the next step
   0:start                   the leader's engine ends: its output rank fails the step
+  stop:follower             every process of the follower stopped, the server idle: a
+                            node gone silent, which closes no connection (issue 46)
 
 Fixed, each must end both nodes' processes, with /health not 200 within 1 s of a
 Python-visible failure and within 5 s of a silent death, the follower's headless
@@ -35,6 +37,7 @@ from live_server.server import shm_left_but_the_cpu_communicator  # noqa: E402
 from live_server.two_nodes import (  # noqa: E402
     EXECUTE_MODEL_TIMEOUT_SECONDS,
     FOLLOWER_WATCH_SECONDS,
+    NODE_SILENT_SECONDS,
     fault_on_two_new_nodes,
 )
 
@@ -43,13 +46,16 @@ pytestmark = NEEDS_THE_VENV
 HANG = "1:start+0:hang"
 KILL = "kill:follower-worker+0:hang"
 LEADER = "0:start"
-# Seconds from the fault to the leader's /health not answering 200, fixed (issue 23).
-HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0}
+SILENT = "stop:follower"
+# Seconds from the fault to the leader's /health not answering 200, fixed (issue 23); a
+# silent node: the heartbeat's timeout, counted from the last frame, and a ping's slack.
+HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0, SILENT: NODE_SILENT_SECONDS + 5.0}
 # What the leader's event names (the executor's cause note): the leader sees the follower's
 # rank only as its connection drops; its own output rank's failure ends the engine with no note.
 CAUSES = {HANG: {"cause": "rank-disconnected", "rank": 1}, KILL: {"cause": "rank-disconnected", "rank": 1},
-          LEADER: {"cause": "engine-core-died", "rank": None}}
-# Seconds from the fault to the follower's exit, fixed: "within a few seconds".
+          LEADER: {"cause": "engine-core-died", "rank": None}, SILENT: {"cause": "rank-disconnected", "rank": 1}}
+# Seconds from the fault to the follower's exit, fixed: "within a few seconds" (a silent
+# node's: from the leader's exit, once it runs again).
 FOLLOWER_EXIT_SECONDS = 10.0
 # Release: a request waits the RPC timeout, then the leader goes; the follower is watched after.
 WATCH_SECONDS = {"release": EXECUTE_MODEL_TIMEOUT_SECONDS + 10.0, "patched": 60.0}
@@ -88,7 +94,8 @@ def assert_both_nodes_end(t, fault: str, log: str, leader_lines: list[str]) -> N
         f"/health answered 200 longer than {HEALTH_DOWN_SECONDS[fault]}s after the fault: {t.as_dict()}"
     )
     assert t.leader_gone is not None, f"the leader did not exit: {t.as_dict()}\n{log}"
-    assert t.follower_gone is not None and t.follower_gone <= FOLLOWER_EXIT_SECONDS, (
+    follower_took = t.follower_outlived_leader if fault == SILENT else t.follower_gone
+    assert t.follower_gone is not None and follower_took <= FOLLOWER_EXIT_SECONDS, (
         f"the follower did not exit within {FOLLOWER_EXIT_SECONDS}s: {t.as_dict()}\n{log}"
     )
     # A supervisor restarts a follower that fails, not one that exits 0; and the leader,
@@ -148,3 +155,12 @@ def test_leader_engine_ends(installed, state):
         assert_the_exit(leader_lines, t.leader_status, "release")  # its engine died: status 0
         return
     assert_both_nodes_end(t, LEADER, log, leader_lines)
+
+
+def test_a_follower_node_gone_silent_ends_both_nodes(installed):
+    """Issue 46: the follower's processes all stopped, idle: no connection closes and no step
+    is in flight to time out; the heartbeat between the nodes drops the follower's connection
+    and the leader ends as for a closed one, exit 1, the follower's rank named. (The
+    release and the fix without the heartbeat: nothing ends, /health 200; docs/silent.md.)"""
+    t, log, leader_lines = run(installed, "patched", SILENT)
+    assert_both_nodes_end(t, SILENT, log, leader_lines)

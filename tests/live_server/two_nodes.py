@@ -43,6 +43,10 @@ from live_server.server import (
 EXECUTE_MODEL_TIMEOUT_SECONDS = 10
 # How long the follower is watched once the leader has exited.
 FOLLOWER_WATCH_SECONDS = {"release": 10.0, "patched": 15.0}
+# The fix's heartbeat between the nodes (issue 46: the helper's default is 30 s), short so
+# that a node gone silent ends the leader in seconds; the step timeout above is the
+# longer bound only for a step in flight, and a silent fault sends none.
+NODE_SILENT_SECONDS = 5
 
 
 class Node(Server):
@@ -72,6 +76,7 @@ class Node(Server):
             "GLOO_SOCKET_IFNAME": "lo",
             "VLLM_CPU_OMP_THREADS_BIND": str(self.node_rank),  # one local rank, a core of its own
             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(EXECUTE_MODEL_TIMEOUT_SECONDS),
+            "RANK_EXCEPTION_FATAL_NODE_SILENT_SECONDS": str(NODE_SILENT_SECONDS),
         }
 
     def start(self) -> None:
@@ -159,7 +164,10 @@ def run_fault_on_two_nodes(nodes: TwoNodes, fault: str, watch_seconds: float, fo
     """Serve one correct answer, inject the fault, send the same request and watch.
 
     fault: "RANK:POINT" on a global rank (fault_plugin/), or several joined by "+";
-    "kill:follower-worker" SIGKILLs the follower's worker (its zero is the kill). The
+    "kill:follower-worker" SIGKILLs the follower's worker (its zero is the kill);
+    "stop:follower" stops every process of the follower's node (SIGSTOP to its group: a
+    node gone silent, which closes no connection), sends no request (idle, so that no
+    step timeout can end it) and continues the node once the leader has exited. The
     watch ends when both nodes have exited, watch_seconds after the request, or
     follower_watch_seconds after the leader exited, whichever is first."""
     leader, follower = nodes.leader, nodes.follower
@@ -167,10 +175,14 @@ def run_fault_on_two_nodes(nodes: TwoNodes, fault: str, watch_seconds: float, fo
     if status != 200:
         raise RuntimeError(f"the leader did not answer before the fault: {status} {reference}\n{nodes.tail()}")
     leader.poll_health()
-    zero, killed = None, None
+    zero, killed, stopped = None, None, False
     for one in fault.split("+"):
         rank, point = one.split(":")
-        if rank == "kill":
+        if rank == "stop":
+            assert point == "follower", point
+            zero, stopped = time.time(), True
+            os.killpg(follower.proc.pid, signal.SIGSTOP)
+        elif rank == "kill":
             assert point == "follower-worker", point
             workers = follower.workers()
             assert len(workers) == 1, f"the follower's workers: {workers}"
@@ -182,18 +194,26 @@ def run_fault_on_two_nodes(nodes: TwoNodes, fault: str, watch_seconds: float, fo
     result: list = []
     sent = time.time()
     worker = threading.Thread(target=lambda: result.append((leader.complete(timeout=watch_seconds), time.time())))
-    worker.start()
+    if not stopped:
+        worker.start()
     while time.time() < sent + watch_seconds:
+        if stopped and leader.exited_at is not None:
+            os.killpg(follower.proc.pid, signal.SIGCONT)
+            stopped = False
         if leader.exited_at is not None and follower.exited_at is not None:
             break
         if leader.exited_at is not None and time.time() > leader.exited_at + follower_watch_seconds:
             break
         time.sleep(0.05)
+    if stopped:  # the leader never exited: the node continued, for its stop to end it
+        os.killpg(follower.proc.pid, signal.SIGCONT)
     time.sleep(0.5)  # the health poller's last look
     statuses = leader.proc.poll(), follower.proc.poll()
     ended_at = time.time()
-    worker.join(max(0.0, sent + watch_seconds + 5 - time.time()))
-    answer, answered_at = result[0] if result else ((None, "no answer"), time.time())
+    if worker.ident is not None:
+        worker.join(max(0.0, sent + watch_seconds + 5 - time.time()))
+    answer, answered_at = result[0] if result else ((None, "no request" if fault.startswith("stop:") else "no answer"),
+                                                    time.time())
     return Watch(fault, zero if zero is not None else leader.fault_time(), reference, answer, answered_at,
                  *statuses, ended_at, killed)
 
