@@ -146,7 +146,7 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
             found.append((path, data, entry if entry is not None and places[entry[1]] == path else None))
     defining = [path for path, data, _ in found if DEFINES[role] in data]
     if len(defining) > 1:  # which one vLLM imports depends on its release: not to be guessed
-        function = DEFINES[role].decode()[len("def "):-1]
+        function = DEFINES[role].decode().split()[1].rstrip("(")  # def NAME( or class NAME
         return Part(role, defining[0], None, DRIFTED_STATE,
                     why=f"{' and '.join(defining)} both define {function}: one is left from another release of"
                         " vLLM; remove the one this release does not have")

@@ -80,8 +80,9 @@ def row(state: str, fault: str, t: dict) -> str:
 
 # The two-node servers' faults (tests/live_server/test_two_nodes.py): rank 1 on the
 # follower fails while the leader's rank 0 hangs; the follower's worker is SIGKILLed
-# (rank 0 then hangs); the leader's engine ends.
-TWO_NODE_FAULTS = ("1:start+0:hang", "kill:follower-worker+0:hang", "0:start")
+# (rank 0 then hangs); the leader's engine ends; the follower's node stopped, idle (a node
+# gone silent: the heartbeat's 5 s there).
+TWO_NODE_FAULTS = ("1:start+0:hang", "kill:follower-worker+0:hang", "0:start", "stop:follower")
 TWO_NODE_HEADER = (f"two nodes, TP=2 across them:\n{'state':8} {'fault':28} {'health':>7} {'leader':>7} "
                    f"{'follower':>9} {'status':>7}  answer")
 

@@ -48,8 +48,8 @@ KILL = "kill:follower-worker+0:hang"
 LEADER = "0:start"
 SILENT = "stop:follower"
 # Seconds from the fault to the leader's /health not answering 200, fixed (issue 23); a
-# silent node: the heartbeat's timeout, counted from the last frame, and a ping's slack.
-HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0, SILENT: NODE_SILENT_SECONDS + 5.0}
+# silent node: the heartbeat's timeout, counted from the last frame, and slack for a loaded machine.
+HEALTH_DOWN_SECONDS = {HANG: 1.0, KILL: 5.0, LEADER: 1.0, SILENT: NODE_SILENT_SECONDS + 10.0}
 # What the leader's event names (the executor's cause note): the leader sees the follower's
 # rank only as its connection drops; its own output rank's failure ends the engine with no note.
 CAUSES = {HANG: {"cause": "rank-disconnected", "rank": 1}, KILL: {"cause": "rank-disconnected", "rank": 1},
