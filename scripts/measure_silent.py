@@ -21,9 +21,10 @@ Over --watch seconds from the fault it records: the leader's /health (the first 
 200), the leader's exit status and when, the follower's (for stop: after the leader exited, or
 the watch ended, the follower is continued (SIGCONT) and watched 15 s more), the fix's ERROR
 lines and the JSON event's cause, and which processes of each node's group were left 5 s after
-it exited. --install patched applies the fix (apply.py); --prototype DIFF also applies DIFF to
-the install (patch -p1 on its site-packages, reverted after); RANK_EXCEPTION_FATAL_NODE_SILENT_SECONDS
-is set to --silent-seconds on both nodes (left unset without it: the prototype's own 30 s).
+it exited. --install patched applies the fix (apply.py), whose queue file carries the heartbeat;
+--prototype DIFF also applies DIFF to the install (patch -p1 on its site-packages, reverted after;
+the heartbeat prototype fits the release's queue file only); RANK_EXCEPTION_FATAL_NODE_SILENT_SECONDS
+is set to --silent-seconds on both nodes (left unset without it: the helper's own 30 s).
 --traffic N: on a partition run, the veth link's packets and bytes over N seconds before the
 fault (idle, and again under load with load). One JSON line per run, then a table.
 The install is put back to the release's files on every way out. One node pair at a time;
@@ -46,7 +47,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "scripts")]  # the live servers' helpers
 
-from fetch_release import cache_dir  # noqa: E402
+from fetch_release import cache_dir, exit_paths  # noqa: E402
 from live_server import cpu_install  # noqa: E402
 from live_server.server import free_port, python_of  # noqa: E402
 from live_server.stop_load import Clients, warm_up  # noqa: E402
@@ -285,11 +286,15 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def release_queue_file() -> None:
-    """RuntimeError unless SHM_BROADCAST is the release's, as the install's RECORD has it."""
+def queue_file_as_installed(install: str) -> None:
+    """RuntimeError unless SHM_BROADCAST is as --install leaves it: the release's (as the
+    install's RECORD has it), or the one apply.py writes (the queue's fixed file in
+    releases/exit_path.tsv: the fix's heartbeat)."""
     root = cpu_install.site_packages()
-    if file_sha256(os.path.join(root, SHM_BROADCAST)) != recorded(root):
-        raise RuntimeError(f"{SHM_BROADCAST} in {root} is not the release's: put it back (pip install --force-reinstall)")
+    wanted = recorded(root) if install == "release" else exit_paths()[cpu_install.VERSION].role("queue")[2]
+    if file_sha256(os.path.join(root, SHM_BROADCAST)) != wanted:
+        raise RuntimeError(f"{SHM_BROADCAST} in {root} is not as --install {install} leaves it: put it back"
+                           " (pip install --force-reinstall)")
 
 
 def main() -> int:
@@ -330,14 +335,14 @@ def main() -> int:
             cpu_install.set_fix(args.install)
             with cpu_install.prototypes_on([diff] if diff else []):  # one a killed run left on comes off first
                 if not diff:
-                    release_queue_file()
+                    queue_file_as_installed(args.install)
                 for fault, load in runs:
                     record = {"install": args.install + ("+prototype" if diff else ""),
                               **one_run(fault, load, args.python, model, work, args.silent_seconds,
                                         args.watch, args.traffic)}
                     print(json.dumps(record), flush=True)
                     records.append(record)
-            release_queue_file()
+            queue_file_as_installed(args.install)
     except KeyboardInterrupt:
         print("measure_silent.py: interrupted; the install is the release's again", file=sys.stderr)
         return 130
