@@ -22,7 +22,8 @@ whatever the flags say) with
 then, after a warm-up, 4 completions kept in flight (tests/live_server/stop_load.py) and the
 fault (the fault plugin's RANK:POINT; with two engines the first rank of that number to take
 a step takes it; kill:TITLE SIGKILLs the first process whose title holds TITLE, e.g.
-kill:Worker_TP1 or kill:EngineCore; group:SIGTERM or group:SIGINT instead stops the server,
+kill:Worker_TP1 or kill:EngineCore; stop:TITLE stops it with SIGSTOP instead, as a
+process frozen mid-step (issue 46); group:SIGTERM or group:SIGINT instead stops the server,
 the signal sent to its whole process group). Over --watch seconds it records: the launcher's exit status and when,
 /health (the first time it was not 200), what each client's request in flight at the fault got,
 the fix's ERROR line (`engine died:`) and JSON event (`vllm.engine_died`) if printed, the log's
@@ -143,9 +144,9 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
         if rank == "group":  # a clean stop: the signal to the whole group, as systemd and Kubernetes send it
             signalled = time.time()
             os.killpg(server.proc.pid, getattr(signal, point))
-        elif rank == "kill":  # a process that dies at once (the OOM killer, a crash): SIGKILL, by its title
+        elif rank in ("kill", "stop"):  # a process that dies at once (the OOM killer, a crash) or freezes
             signalled = time.time()
-            os.kill(titled(server.proc.pid, point), signal.SIGKILL)
+            os.kill(titled(server.proc.pid, point), signal.SIGKILL if rank == "kill" else signal.SIGSTOP)
         else:
             server.inject(int(rank), point)
         deadline = time.time() + watch
@@ -153,7 +154,7 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
             time.sleep(0.05)
         clients.stopped.set()
         done.set()
-        t0 = signalled if rank in ("group", "kill") else server.fault_time()
+        t0 = signalled if rank in ("group", "kill", "stop") else server.fault_time()
         record["fired"] = t0 is not None
         t0 = t0 or time.time()
         status = server.proc.poll()
@@ -294,9 +295,9 @@ def main() -> int:
     if not installs or set(installs) - {"release", "patched"}:
         parser.error(f"--installs: release and/or patched, not {args.installs!r}")
     kind, _, point = args.fault.partition(":")
-    if (not point or kind not in ("group", "kill") and not kind.isdigit()
+    if (not point or kind not in ("group", "kill", "stop") and not kind.isdigit()
             or kind == "group" and point not in ("SIGTERM", "SIGINT")):
-        parser.error(f"--fault: RANK:POINT, kill:TITLE, group:SIGTERM or group:SIGINT, not {args.fault!r}")
+        parser.error(f"--fault: RANK:POINT, kill:TITLE, stop:TITLE, group:SIGTERM or group:SIGINT, not {args.fault!r}")
     if "dp2-nodes" in shapes and not kind.isdigit():
         parser.error("--shapes dp2-nodes takes a RANK:POINT fault only")
     missing = [diff for diff in args.prototype if not os.path.isfile(diff)]
