@@ -131,9 +131,7 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     the diff and checked against the table (the gate needs neither, and reads only the
     diff it names, to know it whole)."""
     files = [(version, row.files[role]) for version, row in rows.items()]  # (path, diff, sha256, fixed_sha256)
-    places = {f"{role}/{diff}": path for _, (path, diff, _, _) in files}  # diff -> the path it writes
-    if not role_rows_agree(files, places):
-        raise Failure(BAD_BUNDLE, f"releases/exit_path.tsv {first_contradiction(role, files)}")
+    places = {f"{role}/{diff}": path for _, (path, diff, _, _) in files}  # diff -> the path it writes (one: read_exit_paths)
     # sha256 -> (state, diff, the first release whose file it is)
     known = {cells[side]: (state, f"{role}/{cells[1]}", version)
              for side, state in ((2, NOT_APPLIED_STATE), (3, APPLIED_STATE)) for version, cells in reversed(files)}
@@ -176,29 +174,6 @@ def read_role(tree: str, role: str, rows: dict[str, ExitPath], *, plan: bool, ex
     if (sha256_hex(released), sha256_hex(fixed)) != (release_sha256, fixed_sha256):
         raise Failure(BAD_BUNDLE, f"patches/{diff} does not make the {role} file releases/exit_path.tsv records")
     return Part(role, path, data, state, diff=diff, fixed=fixed, released=released)
-
-
-def role_rows_agree(files: "list[tuple[str, tuple[str, ...]]]", places: dict[str, str]) -> bool:
-    """Whether the role's rows agree: each diff writes one path, and each file is one diff's,
-    on one side. By column, as the release table is checked: the gate reads every row on
-    each run."""
-    released, fixed = ({(cells[side], cells[1]) for _, cells in files} for side in (2, 3))
-    released_digests, fixed_digests = {digest for digest, _ in released}, {digest for digest, _ in fixed}
-    return (len(places) == len({(path, diff) for _, (path, diff, _, _) in files}) and len(released) == len(released_digests)
-            and len(fixed) == len(fixed_digests) and released_digests.isdisjoint(fixed_digests))
-
-
-def first_contradiction(role: str, files: "list[tuple[str, tuple[str, ...]]]") -> str:
-    """What the first row at fault contradicts (role_rows_agree said one does)."""
-    places: dict[str, str] = {}
-    sides: dict[str, tuple[str, str]] = {}  # sha256 -> (side, diff)
-    for version, (path, diff, release_sha256, fixed_sha256) in files:
-        if places.setdefault(diff, path) != path:
-            return f"gives patches/{role}/{diff} two paths"
-        if (sides.setdefault(release_sha256, ("release", diff)) != ("release", diff)
-                or sides.setdefault(fixed_sha256, ("fixed", diff)) != ("fixed", diff)):
-            return f"gives a {role} file of {version} to two diffs or sides"
-    return f"contradicts itself in its {role} rows"
 
 
 def missing_diffs(role: str, places: dict[str, str]) -> None:

@@ -213,7 +213,8 @@ class ExitPath:
 def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed: bool = True) -> dict[str, ExitPath]:
     """version -> ExitPath, from releases/exit_path.tsv's text. ValueError saying what is
     wrong if the table is not whole (sealed as the release table is), a row is malformed,
-    a version is listed twice, or (releases given: for the scripts and tests) the releases
+    a version is listed twice, a role's rows contradict each other (a diff given two paths,
+    a file given to two diffs or to both sides), or (releases given: for the scripts and tests) the releases
     of the release table and its rows differ. apply.py gives none: a release added to the
     release table before its exit path's row is written has its files placed by the diffs'
     own lines."""
@@ -230,6 +231,10 @@ def read_exit_paths(table: str, releases: "dict[str, Release] | None", *, sealed
             paths[row[0]] = ExitPath(*row)
     if releases is not None and list(paths) != list(releases):
         raise ValueError("must list the releases of releases/releases.tsv, in its order")
+    for role in ROLES:
+        files = [(version, row.files[role]) for version, row in paths.items()]
+        if not role_rows_agree(files):
+            raise ValueError(first_contradiction(role, files))
     return paths
 
 
@@ -251,3 +256,27 @@ def exit_rows_well_formed(rows: list[list[str]]) -> bool:
                     for place in places)
             and all(diff.endswith(".diff") and "/" not in diff and not diff.startswith(".") for diff in diffs)
             and len(set(versions)) == len(versions))
+
+
+def role_rows_agree(files: "list[tuple[str, tuple[str, ...]]]") -> bool:
+    """Whether a role's cells agree across the rows (version, (path, diff, sha256,
+    fixed_sha256)): each diff writes one path, and each file is one diff's, on one side.
+    By column, as the release table is checked: the gate reads every row on each run."""
+    released, fixed = ({(cells[side], cells[1]) for _, cells in files} for side in (2, 3))
+    released_digests, fixed_digests = {digest for digest, _ in released}, {digest for digest, _ in fixed}
+    return (len({diff for _, (_, diff, _, _) in files}) == len({(path, diff) for _, (path, diff, _, _) in files})
+            and len(released) == len(released_digests) and len(fixed) == len(fixed_digests)
+            and released_digests.isdisjoint(fixed_digests))
+
+
+def first_contradiction(role: str, files: "list[tuple[str, tuple[str, ...]]]") -> str:
+    """What the first row at fault contradicts (role_rows_agree said one does)."""
+    places: dict[str, str] = {}
+    sides: dict[str, tuple[str, str]] = {}  # sha256 -> (side, diff)
+    for version, (path, diff, release_sha256, fixed_sha256) in files:
+        if places.setdefault(diff, path) != path:
+            return f"gives patches/{role}/{diff} two paths"
+        if (sides.setdefault(release_sha256, ("release", diff)) != ("release", diff)
+                or sides.setdefault(fixed_sha256, ("fixed", diff)) != ("fixed", diff)):
+            return f"gives a {role} file of {version} to two diffs or sides"
+    return f"contradicts itself in its {role} rows"
