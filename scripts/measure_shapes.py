@@ -145,8 +145,9 @@ def one_run(shape: str, install: str, fault: str, python: str, model: str, work:
             signalled = time.time()
             os.killpg(server.proc.pid, getattr(signal, point))
         elif rank in ("kill", "stop"):  # a process that dies at once (the OOM killer, a crash) or freezes
+            target = titled(server.proc.pid, point)  # found first: the time counts from the signal
             signalled = time.time()
-            os.kill(titled(server.proc.pid, point), signal.SIGKILL if rank == "kill" else signal.SIGSTOP)
+            os.kill(target, signal.SIGKILL if rank == "kill" else signal.SIGSTOP)
         else:
             server.inject(int(rank), point)
         deadline = time.time() + watch
